@@ -156,12 +156,12 @@ def verify(src, dst, rules, sample):
 
 
 def _verify(src, dst, rs, sample, console=None):
-    from rich.console import Console
     from rich.table import Table
 
+    from .console import make_console
     from .convert.verify import verify as run
 
-    console = console or Console()
+    console = console or make_console()
     t0 = time.perf_counter()
     res = run(src, dst, rs, sample)
     t = Table(title="Verification", title_justify="left")

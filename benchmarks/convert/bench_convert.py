@@ -65,8 +65,17 @@ def plain_copy(src: Path, dst: Path, out_bytes: int) -> float:
 
 
 def run_convert(src: Path, dst: Path, workers: int) -> tuple[float, int]:
-    cmd = [sys.executable, "-m", "vllm_h20.cli", "convert", str(src), str(dst), "-j", str(workers),
-           "-q"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "vllm_h20.cli",
+        "convert",
+        str(src),
+        str(dst),
+        "-j",
+        str(workers),
+        "-q",
+    ]
     t0 = time.perf_counter()
     subprocess.run(cmd, check=True)
     secs = time.perf_counter() - t0
@@ -103,8 +112,14 @@ def main() -> None:
         cold = drop_caches()
         secs, rss = run_convert(src, dst, w)
         out_bytes = dir_bytes(dst)
-        runs.append({"workers": w, "seconds": round(secs, 2), "cold_cache": cold,
-                     "peak_rss_bytes_children": rss})
+        runs.append(
+            {
+                "workers": w,
+                "seconds": round(secs, 2),
+                "cold_cache": cold,
+                "peak_rss_bytes_children": rss,
+            }
+        )
         shutil.rmtree(dst)
 
     copy_dst = a.workdir / "copy"
@@ -113,21 +128,28 @@ def main() -> None:
     copy_s = plain_copy(src, copy_dst, out_bytes)
     shutil.rmtree(copy_dst)
 
-    print(f"input {bytes_in / GIB:.2f} GiB, output {out_bytes / GIB:.2f} GiB, "
-          f"cold cache: {cold}, cpus: {os.cpu_count()}")
+    print(
+        f"input {bytes_in / GIB:.2f} GiB, output {out_bytes / GIB:.2f} GiB, "
+        f"cold cache: {cold}, cpus: {os.cpu_count()}"
+    )
     print(f"{'run':<14}{'seconds':>9}{'MiB/s in':>10}{'vs copy':>9}{'peak RSS':>11}")
     print(f"{'copy':<14}{copy_s:>9.2f}{bytes_in / copy_s / 2**20:>10.0f}{1.0:>9.2f}{'-':>11}")
     for r in runs:
         s = r["seconds"]
         r["ratio_vs_copy"] = round(s / copy_s, 3)
-        print(f"{'convert -j' + str(r['workers']):<14}{s:>9.2f}{bytes_in / s / 2**20:>10.0f}"
-              f"{s / copy_s:>9.2f}{r['peak_rss_bytes_children'] / GIB:>9.2f} G")
+        print(
+            f"{'convert -j' + str(r['workers']):<14}{s:>9.2f}{bytes_in / s / 2**20:>10.0f}"
+            f"{s / copy_s:>9.2f}{r['peak_rss_bytes_children'] / GIB:>9.2f} G"
+        )
     doc = {
         "benchmark": "convert vs plain copy",
         "command": " ".join(["python", *sys.argv]),
         "tool": f"vllm-h20 {__version__}",
-        "machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
-                    "python": platform.python_version()},
+        "machine": {
+            "cpus": os.cpu_count(),
+            "platform": platform.platform(),
+            "python": platform.python_version(),
+        },
         "bytes_in": bytes_in,
         "bytes_out": out_bytes,
         "copy_seconds": round(copy_s, 2),

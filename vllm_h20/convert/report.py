@@ -8,6 +8,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
+from ..console import make_console
 from .blockscale import Stats
 
 REPORT = "conversion_report.json"
@@ -36,12 +37,19 @@ def write(dst: Path, doc: dict) -> None:
     tmp.replace(dst / REPORT)
 
 
+def human_bytes(n: float) -> str:
+    for unit, size in (("GiB", GIB), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{int(n)} B"
+
+
 def _fmt_err(x: float) -> str:
     return "0" if x == 0 else f"{x:.3g}"
 
 
 def render(doc: dict, console: Console | None = None, title: str = "Conversion report") -> None:
-    console = console or Console()
+    console = console or make_console()
     t = Table(title=title, title_justify="left")
     for col in (
         "group",
@@ -70,7 +78,7 @@ def render(doc: dict, console: Console | None = None, title: str = "Conversion r
     if "bytes_in" in doc:
         secs = doc.get("seconds", 0.0)
         console.print(
-            f"bytes in {doc['bytes_in'] / GIB:.2f} GiB -> out {doc['bytes_out'] / GIB:.2f} GiB"
+            f"bytes in {human_bytes(doc['bytes_in'])} -> out {human_bytes(doc['bytes_out'])}"
             + (
                 f" in {secs:.1f} s ({doc['bytes_in'] / max(secs, 1e-9) / 2**20:.0f} MiB/s in)"
                 if secs

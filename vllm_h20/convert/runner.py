@@ -28,11 +28,13 @@ from rich.progress import (
 )
 
 from .. import __version__
+from ..console import make_console
 from . import report as report_mod
 from .blockscale import Stats
 from .config import dumps as config_dumps
 from .config import rewrite_config
 from .plan import CONFIG, INDEX, Plan, PlanError, make_plan
+from .report import human_bytes
 from .rules import RuleSet
 from .shard import ConvertError, ShardResult, convert_shard, partial_name
 
@@ -131,7 +133,7 @@ def _preflight(dst: Path, plan: Plan, done: dict) -> int:
     free = shutil.disk_usage(dst).free
     if need > free:
         raise PlanError(
-            f"{dst}: needs {need / GIB:.2f} GiB for the output but only {free / GIB:.2f} GiB "
+            f"{dst}: needs {human_bytes(need)} for the output but only {human_bytes(free)} "
             "is free; free space or choose another DST"
         )
     return need
@@ -206,7 +208,7 @@ def _finish(dst: Path, plan: Plan, rules: RuleSet, manifest: dict, seconds: floa
 
 def convert(src: Path, dst: Path, rules: RuleSet, opts: Options, console: Console | None = None):
     """Convert SRC into DST; returns the report document. Raises PlanError/ConvertError."""
-    console = console or Console(stderr=True)
+    console = console or make_console(stderr=True)
     src, dst = Path(src), Path(dst)
     t0 = time.perf_counter()
     _check_paths(src, dst)
@@ -224,7 +226,7 @@ def convert(src: Path, dst: Path, rules: RuleSet, opts: Options, console: Consol
     if opts.progress:
         console.print(
             f"[bold]convert[/] {src} -> {dst}: {len(plan.shards)} shard(s), "
-            f"{plan.bytes_in / GIB:.2f} GiB in, {need / GIB:.2f} GiB to write, "
+            f"{human_bytes(plan.bytes_in)} in, {human_bytes(need)} to write, "
             f"{len(manifest['done'])} already done, {opts.workers} worker(s)"
         )
     band = opts.band_mib * 2**20
