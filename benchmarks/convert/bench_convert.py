@@ -82,6 +82,17 @@ def run_convert(src: Path, dst: Path, workers: int) -> tuple[float, int]:
     return secs, resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024
 
 
+def _versions() -> dict:
+    import ml_dtypes
+    import numpy
+
+    return {
+        "python": platform.python_version(),
+        "numpy": numpy.__version__,
+        "ml_dtypes": ml_dtypes.__version__,
+    }
+
+
 def dir_bytes(p: Path) -> int:
     return sum(f.stat().st_size for f in p.rglob("*") if f.is_file())
 
@@ -155,7 +166,8 @@ def main() -> None:
         "copy_seconds": round(copy_s, 2),
         "copy_cold_cache": cold,
         "runs": runs,
-        "note": "peak RSS is the largest single child process (ru_maxrss of RUSAGE_CHILDREN)",
+        "note": "peak RSS: ru_maxrss of RUSAGE_CHILDREN, the largest single process over all "
+        "runs so far, including file pages mapped from SRC (reclaimable page cache)",
     }
     if a.json_out:
         a.json_out.parent.mkdir(parents=True, exist_ok=True)
