@@ -189,6 +189,16 @@ def _verify(src, dst, rs, sample, console=None):
     return res
 
 
+_spread_opt = click.option(
+    "--spread",
+    type=click.IntRange(min=0, max=100),
+    default=6,
+    show_default=True,
+    help="E8M0 exponent spread inside blocks of the generated checkpoint; above 14 some "
+    "expert blocks cannot be held exactly in E4M3 and the report counts them.",
+)
+
+
 @main.command()
 @click.argument("dst", type=click.Path(path_type=Path))
 @click.option(
@@ -209,14 +219,7 @@ def _verify(src, dst, rs, sample, console=None):
     help="v41: other linears with E8M0 32x32 scales; v4: 128x128.",
 )
 @click.option("--shards", type=click.IntRange(min=1), default=4, show_default=True)
-@click.option(
-    "--spread",
-    type=click.IntRange(min=0, max=100),
-    default=4,
-    show_default=True,
-    help="E8M0 exponent spread inside blocks; above 14 some MXFP4 blocks cannot "
-    "be held exactly in E4M3.",
-)
+@_spread_opt
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--sparse", is_flag=True, help="Write headers only (sparse files of full size).")
 def synth(dst, preset, layers, experts, layout, shards, spread, seed, sparse):
@@ -243,14 +246,7 @@ def synth(dst, preset, layers, experts, layout, shards, spread, seed, sparse):
     help="Where to put the generated and converted checkpoints (default: a "
     "temporary directory, removed afterwards).",
 )
-@click.option(
-    "--spread",
-    type=click.IntRange(min=0, max=100),
-    default=6,
-    show_default=True,
-    help="E8M0 exponent spread of the generated checkpoint; above 14 some expert blocks "
-    "cannot be held exactly and the report counts them.",
-)
+@_spread_opt
 def demo(workdir, spread):
     """Generate a small V4.1-layout checkpoint, convert it, verify it, print both reports."""
     from .convert import report
