@@ -1,0 +1,58 @@
+import math
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from vllm_h20.moe.expected_m import (
+    DispatchCase,
+    branch,
+    per_expert_expected_m,
+    swap_threshold,
+)
+
+tokens = st.integers(0, 1 << 20)
+small = st.integers(1, 512)
+
+
+@given(tokens, small, small, st.integers(1, 64))
+def test_matches_the_exact_ceiling(t, k, e, ep):
+    want = max(1, math.ceil(t * k / (e * ep))) if t else 1
+    assert per_expert_expected_m(t, k, e, ep) == want
+    # integer arithmetic: no float rounding even for huge products
+    assert per_expert_expected_m(t, k, e, ep) * e * ep >= t * k
+
+
+@given(tokens, tokens, small, small, st.integers(1, 64))
+def test_monotone_in_tokens_and_never_above_stock_rows(a, b, k, e, ep):
+    lo, hi = sorted((a, b))
+    assert per_expert_expected_m(lo, k, e, ep) <= per_expert_expected_m(hi, k, e, ep)
+    assert per_expert_expected_m(hi, k, e, ep) <= max(1, hi * k)
+
+
+def test_seed_example_v41_flash_ep8_with_eplb():
+    # 288 tokens, top-6, 384 experts + 16 EPLB replicas = 400 slots = 50 per rank x EP8
+    case = DispatchCase(tokens=288, top_k=6, local_experts=50, ep_size=8, num_sms=78)
+    assert case.fixed_m == 5 and case.stock_m == 288
+    assert (case.stock_branch, case.fixed_branch) == ("regular", "swap_ab")
+    assert case.changes
+
+
+@pytest.mark.parametrize("sms,threshold", [(78, 64), (132, 32), (114, 32)])
+def test_threshold_per_device(sms, threshold):
+    assert swap_threshold(sms) == threshold
+    assert branch(threshold, sms) == "regular"
+    assert branch(threshold - 1, sms) == "swap_ab"
+
+
+def test_one_token_is_unchanged_and_huge_batches_stay_regular():
+    one = DispatchCase(1, 6, 50, 8, 78)
+    assert (one.stock_branch, one.fixed_branch) == ("swap_ab", "swap_ab")
+    big = DispatchCase(8192, 6, 50, 8, 78)
+    assert big.fixed_m == 123 and big.fixed_branch == "regular"
+
+
+@pytest.mark.parametrize("args", [(-1, 6, 50, 8), (1, 0, 50, 8), (1, 6, 0, 8), (1, 6, 50, 0)])
+def test_bad_arguments(args):
+    with pytest.raises(ValueError):
+        per_expert_expected_m(*args)
