@@ -188,13 +188,12 @@ def test_non_empty_dst_and_dst_inside_src(tiny_src, tmp_path):
     one_line_error(cli("convert", tiny_src, tiny_src / "sub"), "inside")
 
 
-def test_not_enough_space_is_refused_up_front(tiny_src, tmp_path):
-    mnt = _tmpfs(tmp_path, "64k")
+def test_not_enough_space_is_refused_up_front(tiny_src, tmpfs):
+    mnt = tmpfs("64k")
     one_line_error(cli("convert", tiny_src, mnt / "o"), "needs", "free")
-    subprocess.run(["umount", str(mnt)], check=False)
 
 
-def test_disk_full_during_write(tmp_path):
+def test_disk_full_during_write(tmp_path, tmpfs):
     """Space that passes the preflight is taken by another writer mid-conversion."""
     import threading
     import time
@@ -205,7 +204,7 @@ def test_disk_full_during_write(tmp_path):
     src = tmp_path / "src"
     generate(src, replace(PRESETS["tiny"], hidden=1024, moe_inter=512, experts=16), shards=4)
     size = sum(p.stat().st_size for p in src.iterdir())
-    mnt = _tmpfs(tmp_path, f"{2 * size // 1024}k")
+    mnt = tmpfs(f"{2 * size // 1024}k")
     dst = mnt / "o"
 
     def grab():
@@ -224,16 +223,25 @@ def test_disk_full_during_write(tmp_path):
     th.start()
     p = cli("convert", src, dst, "-j", "1", "--band-mib", "1")
     th.join()
-    subprocess.run(["umount", str(mnt)], check=False)
     one_line_error(p, "disk full", "--resume")
 
 
-def _tmpfs(tmp_path: Path, size: str) -> Path:
-    mnt = tmp_path / f"tmpfs-{size}"
-    mnt.mkdir()
-    r = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(mnt)], capture_output=True
-    )
-    if r.returncode != 0:
-        pytest.skip("needs root to mount a small tmpfs")
-    return mnt
+@pytest.fixture
+def tmpfs(tmp_path):
+    """Mount small tmpfs file systems (needs root; CI runs as root); always unmounted."""
+    mounted = []
+
+    def make(size: str) -> Path:
+        mnt = tmp_path / f"tmpfs-{size}"
+        mnt.mkdir()
+        r = subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(mnt)], capture_output=True
+        )
+        if r.returncode != 0:
+            pytest.skip("needs root to mount a small tmpfs")
+        mounted.append(mnt)
+        return mnt
+
+    yield make
+    for m in mounted:
+        subprocess.run(["umount", "-l", str(m)], check=False)

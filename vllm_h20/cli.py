@@ -156,6 +156,13 @@ def verify(src, dst, rules, sample):
 
 
 def _verify(src, dst, rs, sample, console=None):
+    from rich.progress import (
+        BarColumn,
+        DownloadColumn,
+        Progress,
+        TimeRemainingColumn,
+        TransferSpeedColumn,
+    )
     from rich.table import Table
 
     from .console import make_console
@@ -163,7 +170,19 @@ def _verify(src, dst, rs, sample, console=None):
 
     console = console or make_console()
     t0 = time.perf_counter()
-    res = run(src, dst, rs, sample)
+    bar = Progress(
+        "verifying",
+        BarColumn(),
+        DownloadColumn(binary_units=True),
+        TransferSpeedColumn(),
+        TimeRemainingColumn(),
+        console=make_console(stderr=True),
+    )
+    with bar:
+        task = bar.add_task("verifying", total=None)
+        res = run(
+            src, dst, rs, sample, lambda done, total: bar.update(task, completed=done, total=total)
+        )
     t = Table(title="Verification", title_justify="left")
     for c in ("group", "checked", "bit-exact", "max |err|", "rel L2"):
         t.add_column(c, justify="left" if c == "group" else "right")

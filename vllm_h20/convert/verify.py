@@ -123,7 +123,8 @@ def _sample(names: list[str], k: int | None) -> set[str]:
 def verify(
     src: Path, dst: Path, rules: RuleSet, sample: int | None = None, progress=None
 ) -> VerifyResult:
-    """Check DST against SRC. ``sample``: converted tensors to check per group (None: all)."""
+    """Check DST against SRC. ``sample``: converted tensors to check per group (None: all).
+    ``progress(done_bytes, total_bytes)`` is called as output tensors are checked."""
     src, dst = Path(src), Path(dst)
     plan = make_plan(src, rules, keep_unmatched=True)
     res = VerifyResult()
@@ -156,6 +157,13 @@ def verify(
     res.planned = {g: len(v) for g, v in by_group.items()}
     chosen = set().union(*(_sample(v, sample) for v in by_group.values())) if by_group else set()
 
+    total = sum(
+        t.nbytes
+        for sp in plan.shards
+        for t in sp.tensors
+        if t.op == "copy" or (t.op == "weight" and t.name in chosen)
+    )
+    done = 0
     src_readers: dict[str, ShardReader] = {}
 
     def src_reader(name: str) -> ShardReader:
@@ -204,8 +212,9 @@ def verify(
                         )
                         if msg:
                             res.failures.append(f"{dst / sp.name}: {msg}")
-                    if progress:
-                        progress(t.nbytes)
+                    if progress and (t.op == "copy" or t.name in chosen):
+                        done += t.nbytes
+                        progress(done, total)
             finally:
                 out.close()
     finally:
