@@ -156,28 +156,15 @@ def verify(src, dst, rules, sample):
 
 
 def _verify(src, dst, rs, sample, console=None):
-    from rich.progress import (
-        BarColumn,
-        DownloadColumn,
-        Progress,
-        TimeRemainingColumn,
-        TransferSpeedColumn,
-    )
     from rich.table import Table
 
-    from .console import make_console
+    from .console import byte_progress, make_console
+    from .convert.report import human_bytes
     from .convert.verify import verify as run
 
     console = console or make_console()
     t0 = time.perf_counter()
-    bar = Progress(
-        "verifying",
-        BarColumn(),
-        DownloadColumn(binary_units=True),
-        TransferSpeedColumn(),
-        TimeRemainingColumn(),
-        console=make_console(stderr=True),
-    )
+    bar = byte_progress(make_console(stderr=True))
     with bar:
         task = bar.add_task("verifying", total=None)
         res = run(
@@ -197,7 +184,7 @@ def _verify(src, dst, rs, sample, console=None):
     console.print(t)
     console.print(
         f"copied tensors byte-identical: {res.copied_tensors:,} "
-        f"({res.copied_bytes / 2**30:.2f} GiB); other files: {res.files}; "
+        f"({human_bytes(res.copied_bytes)}); other files: {res.files}; "
         f"{time.perf_counter() - t0:.1f} s"
     )
     for f in res.failures[:20]:

@@ -18,17 +18,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from rich.console import Console
-from rich.progress import (
-    BarColumn,
-    DownloadColumn,
-    Progress,
-    TextColumn,
-    TimeRemainingColumn,
-    TransferSpeedColumn,
-)
+from rich.progress import Progress
 
 from .. import __version__
-from ..console import make_console
+from ..console import byte_progress, make_console
 from . import report as report_mod
 from .blockscale import Stats
 from .config import dumps as config_dumps
@@ -41,7 +34,6 @@ from .shard import ConvertError, ShardResult, convert_shard, partial_name
 STATE_DIR = ".vllm-h20"
 MANIFEST = "manifest.json"
 DEFAULT_BAND_MIB = 32
-GIB = 1024**3
 
 
 @dataclass(frozen=True)
@@ -239,16 +231,7 @@ def _run_pool(src, dst, plan, todo, manifest, band, opts, total_in, console) -> 
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     mpath = dst / STATE_DIR / MANIFEST
-    progress = Progress(
-        TextColumn("[progress.description]{task.description}"),
-        BarColumn(),
-        DownloadColumn(binary_units=True),
-        TransferSpeedColumn(),
-        TimeRemainingColumn(),
-        console=console,
-        disable=not opts.progress,
-        transient=False,
-    )
+    progress = byte_progress(console, disable=not opts.progress)
     with (
         progress,
         ProcessPoolExecutor(

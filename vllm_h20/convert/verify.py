@@ -163,12 +163,10 @@ def verify(
     res.planned = {g: len(v) for g, v in by_group.items()}
     chosen = set().union(*(_sample(v, sample) for v in by_group.values())) if by_group else set()
 
-    total = sum(
-        t.nbytes
-        for sp in plan.shards
-        for t in sp.tensors
-        if t.op == "copy" or (t.op == "weight" and t.name in chosen)
-    )
+    def checked(t: OutTensor) -> bool:
+        return t.op == "copy" or (t.op == "weight" and t.name in chosen)
+
+    total = sum(t.nbytes for sp in plan.shards for t in sp.tensors if checked(t))
     done = 0
     src_readers: dict[str, ShardReader] = {}
 
@@ -218,7 +216,7 @@ def verify(
                         )
                         if msg:
                             res.failures.append(f"{dst / sp.name}: {msg}")
-                    if progress and (t.op == "copy" or t.name in chosen):
+                    if progress and checked(t):
                         done += t.nbytes
                         progress(done, total)
             finally:
