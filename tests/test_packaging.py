@@ -24,3 +24,37 @@ def test_every_subpackage_is_listed_in_pyproject():
 def test_console_script_points_at_the_cli():
     proj = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     assert proj["scripts"]["vllm-h20"] == "vllm_h20.cli:main"
+
+
+def test_plugin_entry_point_and_patches_are_declared():
+    proj = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    eps = proj["project"]["entry-points"]["vllm.general_plugins"]
+    assert eps == {"vllm_h20": "vllm_h20.plugin:register"}
+    cfg = proj["tool"]["setuptools"]
+    assert cfg["package-dir"]["vllm_h20.patches"] == "patches"
+    assert "flashinfer/*.patch" in cfg["package-data"]["vllm_h20.patches"]
+
+
+@pytest.mark.slow
+def test_wheel_ships_rules_patches_and_the_plugin(tmp_path):
+    import subprocess
+    import sys
+    import zipfile
+
+    r = subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
+         "-w", str(tmp_path), str(ROOT)],
+        capture_output=True, text=True,
+    )  # fmt: skip
+    if r.returncode != 0 and "No module named" in r.stderr:
+        pytest.skip(f"cannot build without isolation here: {r.stderr.strip()[-200:]}")
+    assert r.returncode == 0, r.stderr[-2000:]
+    (wheel,) = tmp_path.glob("vllm_h20-*.whl")
+    names = zipfile.ZipFile(wheel).namelist()
+    shipped = sorted(p.name for p in (ROOT / "patches" / "flashinfer").glob("*.patch"))
+    assert sorted(n.rsplit("/", 1)[1] for n in names if n.endswith(".patch")) == shipped
+    assert all(f"vllm_h20/patches/flashinfer/{p}" in names for p in shipped)
+    assert "vllm_h20/rules/deepseek_v41_flash.yaml" in names
+    assert "vllm_h20/plugin.py" in names
+    ep = next(n for n in names if n.endswith("entry_points.txt"))
+    assert "vllm_h20 = vllm_h20.plugin:register" in zipfile.ZipFile(wheel).read(ep).decode()

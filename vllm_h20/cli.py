@@ -281,6 +281,16 @@ def demo(workdir, spread):
     sys.exit(code)
 
 
+def _register_subgroups() -> None:
+    from .moe.cli import kernels, patches
+
+    main.add_command(kernels)
+    main.add_command(patches)
+
+
+_register_subgroups()
+
+
 if __name__ == "__main__":  # pragma: no cover
     os.environ.setdefault("PYTHONUNBUFFERED", "1")
     main()

@@ -33,3 +33,19 @@ def byte_progress(console: Console, disable: bool = False) -> Progress:
         console=console,
         disable=disable,
     )
+
+
+def step_progress(console: Console, disable: bool = False) -> Progress:
+    """A progress bar over build steps (compiled objects) with elapsed time and ETA."""
+    from rich.progress import MofNCompleteColumn, TimeElapsedColumn
+
+    return Progress(
+        TextColumn("[progress.description]{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        TimeRemainingColumn(),
+        TextColumn("{task.fields[current]}", style="dim"),
+        console=console,
+        disable=disable,
+    )

@@ -12,6 +12,8 @@ from pathlib import Path
 
 import yaml
 
+from .._data import shipped_dir
+
 OPS = ("mxfp4_to_fp8", "fp8_reblock", "keep")
 #: Input dtypes each converting op accepts for the weight and for its scale.
 OP_DTYPES = {
@@ -68,11 +70,7 @@ class RuleSet:
 def _rules_dir() -> Path:
     """The shipped rule files: the repository's ``conversion/`` (also installed as package
     data ``vllm_h20/rules``)."""
-    here = Path(__file__).resolve().parent.parent
-    for cand in (here / "rules", here.parent / "conversion"):
-        if cand.is_dir():
-            return cand
-    return here.parent / "conversion"
+    return shipped_dir("rules", "conversion")
 
 
 def resolve(spec: str | Path | None) -> Path:

@@ -1,0 +1,106 @@
+"""The upstream patch against the FlashInfer releases users run (CI job; downloads are cached).
+
+For each wheel: `git am` applies the patch to the wheel's sources, our own applier produces
+byte-identical files, and every translation unit the patch touches compiles with nvcc for
+sm_90a using the flags of FlashInfer's own JIT spec for the SM90 fused-MoE module."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from vllm_h20.moe import build, flashinfer_src, overlay
+from vllm_h20.moe.overlay import FixState
+
+VERSIONS = ["0.6.18.post1", "0.7.2.post1", "0.7.4"]  # vLLM 0.30.0's pin, 0.33.0's pin, latest
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _cache() -> Path:
+    return overlay.cache_root() / "ci"
+
+
+@pytest.fixture(scope="module", params=VERSIONS)
+def wheel_root(request) -> Path:
+    version = request.param
+    wheels = _cache() / "wheels"
+    wheels.mkdir(parents=True, exist_ok=True)
+    found = sorted(wheels.glob(f"flashinfer_python-{version}-*.whl"))
+    if not found:
+        r = subprocess.run(
+            [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
+             "-d", str(wheels), f"flashinfer-python=={version}"],
+            capture_output=True, text=True,
+        )  # fmt: skip
+        assert r.returncode == 0, f"pip download flashinfer-python=={version}: {r.stderr[-2000:]}"
+        found = sorted(wheels.glob(f"flashinfer_python-{version}-*.whl"))
+    return build.unpack_wheel(found[0], _cache() / "unpacked")
+
+
+def _git(cwd: Path, *args: str) -> subprocess.CompletedProcess:
+    env = dict(os.environ, GIT_AUTHOR_NAME="ci", GIT_AUTHOR_EMAIL="ci@invalid",
+               GIT_COMMITTER_NAME="ci", GIT_COMMITTER_EMAIL="ci@invalid")  # fmt: skip
+    return subprocess.run(["git", *args], cwd=cwd, env=env, capture_output=True, text=True)
+
+
+def test_git_am_applies_and_matches_our_applier(wheel_root, tmp_path):
+    src = flashinfer_src.from_package_dir(wheel_root)
+    assert src.version in VERSIONS
+    ps = overlay.shipped_patches()
+    a = overlay.assess(src, ps)
+    assert a.state is FixState.NEEDS_PATCH, a.detail
+
+    # A repository holding the wheel's copies of the files the patches change, in
+    # FlashInfer's layout (csrc/...), then `git am` exactly as a maintainer would.
+    repo = tmp_path / "flashinfer"
+    repo.mkdir()
+    for p in ps:
+        for d in p.files:
+            if d.old_path and d.old_path.startswith("csrc/"):
+                dst = repo / d.old_path
+                dst.parent.mkdir(parents=True, exist_ok=True)
+                shutil.copyfile(src.root / d.old_path, dst)
+    assert _git(repo, "init", "-q").returncode == 0
+    _git(repo, "add", "-A")
+    assert _git(repo, "commit", "-qm", f"flashinfer {src.version} sources").returncode == 0
+    files = sorted((ROOT / "patches" / "flashinfer").glob("*.patch"))
+    r = _git(repo, "am", "--3way", *map(str, files))
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert _git(repo, "log", "-1", "--format=%s").stdout.strip() == ps[-1].subject
+    for rel, text in a.patched.items():
+        assert (repo / rel).read_text() == text, rel
+    assert (repo / "tests/moe/test_fp8_blockscale_moe_expected_m.py").is_file()
+
+
+@pytest.mark.slow
+def test_touched_translation_units_compile_for_sm90a(wheel_root):
+    if shutil.which("nvcc") is None:
+        if os.environ.get("VLLM_H20_REQUIRE_NVCC"):
+            pytest.fail("nvcc is not on PATH, and VLLM_H20_REQUIRE_NVCC is set (CI)")
+        pytest.skip("nvcc is not installed")
+    pytest.importorskip("torch")  # FlashInfer's JIT spec code imports torch
+    pytest.importorskip("tvm_ffi")
+    r = subprocess.run(
+        [sys.executable, "-m", "vllm_h20.cli", "patches", "check", "--compile", "--json",
+         "--flashinfer", str(wheel_root), "--workdir", str(_cache() / "check")],
+        capture_output=True, text=True,
+    )  # fmt: skip
+    assert r.returncode in (0, 1), r.stderr[-3000:]
+    result = json.loads(r.stdout)
+    report = result["compile"]
+    assert report["ok"], json.dumps(report, indent=2) + r.stderr[-3000:]
+    assert sorted(Path(o["source"]).name for o in report["objects"]) == [
+        "cutlass_fused_moe_instantiation.cu",
+        "flashinfer_cutlass_fused_moe_binding.cu",
+        "fp8_blockscale_gemm.cu",
+    ]
+    for o in report["objects"]:
+        assert o["built"] and Path(o["object"]).stat().st_size > 0
+    print(f"FlashInfer {result['flashinfer']}: " + ", ".join(
+        f"{Path(o['source']).name} {o['seconds']} s" for o in report["objects"]))  # fmt: skip

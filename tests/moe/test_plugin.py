@@ -1,0 +1,148 @@
+"""The vLLM plugin: discovered by vLLM, cheap to load, and switching FlashInfer's SM90 MoE build."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from vllm_h20.moe import dispatch, hook
+from vllm_h20.moe.overlay import FixState
+
+
+def _run(code: str, **env: str) -> subprocess.CompletedProcess:
+    full = {k: v for k, v in os.environ.items() if not k.startswith(("VLLM_H20_", "VLLM_PLUGINS"))}
+    full.update(env)
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        env=full,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+
+def test_entry_point_is_registered_for_vllm():
+    eps = importlib.metadata.entry_points(group="vllm.general_plugins")
+    ours = [e for e in eps if e.name == "vllm_h20"]
+    assert [e.value for e in ours] == ["vllm_h20.plugin:register"]
+    from vllm_h20.plugin import register
+
+    assert ours[0].load() is register
+
+
+def test_plugin_load_imports_nothing_heavy_and_logs_one_line(tmp_path):
+    r = _run(
+        """
+        import logging, sys
+        logging.basicConfig(level=logging.INFO, format="%(name)s|%(message)s")
+        from vllm_h20.plugin import register
+        register(); register()
+        heavy = sorted({m.split(".")[0] for m in sys.modules} & {"torch", "flashinfer", "numpy",
+                       "vllm", "rich", "click", "yaml", "ml_dtypes"})
+        print("HEAVY", heavy)
+        """,
+        VLLM_H20_CACHE_DIR=str(tmp_path),
+    )
+    assert r.returncode == 0, r.stderr
+    assert "HEAVY []" in r.stdout
+    lines = [ln for ln in r.stderr.splitlines() if ln.startswith("vllm.plugins.vllm_h20|")]
+    assert len(lines) == 1, r.stderr
+    assert "vllm-h20: MoE dispatch" in lines[0]
+
+
+def test_hook_runs_after_import_and_for_already_imported_modules(tmp_path, monkeypatch):
+    pkg = tmp_path / "hookpkg"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "core.py").write_text("def gen():\n    return 'stock'\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    seen = []
+
+    def patch_it(mod):
+        seen.append(mod.__name__)
+        mod.gen = lambda: "patched"
+
+    hook.after_import("hookpkg.core", patch_it)
+    assert seen == []  # nothing imported yet
+    import hookpkg.core
+
+    assert seen == ["hookpkg.core"] and hookpkg.core.gen() == "patched"
+    hook.after_import("hookpkg.core", patch_it)  # already imported: called at once
+    assert seen == ["hookpkg.core", "hookpkg.core"]
+    assert not any(isinstance(f, hook._AfterImport) for f in sys.meta_path)
+
+
+def test_dispatch_env_switch(installed_fi, patches):
+    assert dispatch.requested_mode({}) == "per_expert"
+    stock = dispatch.decide({dispatch.ENV: "stock"}, src=installed_fi, patches=patches)
+    assert not stock.overlay and "VLLM_H20_MOE_DISPATCH=stock" in stock.message
+    fixed = dispatch.decide({dispatch.ENV: "per_expert"}, src=installed_fi, patches=patches)
+    assert fixed.overlay and fixed.assessment.state is FixState.NEEDS_PATCH
+    with pytest.raises(dispatch.DispatchConfigError, match="'fast' is not one of per_expert"):
+        dispatch.decide({dispatch.ENV: "fast"})
+
+
+@pytest.mark.parametrize(
+    "state, says, warn",
+    [
+        ("patched", "already contains the fix", False),
+        ("fixed-upstream", "assuming FlashInfer fixed it itself", False),
+        ("conflict", "STOCK (fix not applied)", True),
+    ],
+)
+def test_no_overlay_unless_the_sources_need_it(fake_fi, patches, state, says, warn):
+    d = dispatch.decide({}, src=fake_fi(state), patches=patches)
+    assert not d.overlay
+    assert says in d.message and d.warn is warn
+
+
+VLLM_RUN = """
+    import json, logging, sys
+    from vllm.config import LoggingConfig
+    from vllm.logger import configure_logging
+    from vllm.plugins import load_general_plugins
+    configure_logging(LoggingConfig())  # vLLM's own logging set-up, as in `vllm serve`
+    load_general_plugins()
+    assert "flashinfer.fused_moe.core" not in sys.modules
+    import flashinfer.fused_moe.core as core
+    gen = core.gen_cutlass_fused_moe_sm90_module
+    out = {"wrapped": getattr(gen, "vllm_h20", False)}
+    if out["wrapped"]:
+        spec = gen()
+        out.update(name=spec.name, first=str(spec.sources[0]))
+    print("RESULT " + json.dumps(out))
+"""
+
+
+def _vllm_result(**env):
+    r = _run(VLLM_RUN, **env)
+    assert r.returncode == 0, r.stderr[-3000:]
+    line = [ln for ln in r.stdout.splitlines() if ln.startswith("RESULT ")][-1]
+    return json.loads(line[len("RESULT ") :]), r.stdout + r.stderr
+
+
+@pytest.mark.vllm
+def test_vllm_loads_the_plugin_and_flashinfer_builds_from_the_overlay(installed_fi, tmp_path):
+    pytest.importorskip("vllm")
+    env = dict(
+        VLLM_H20_CACHE_DIR=str(tmp_path / "c"),
+        FLASHINFER_WORKSPACE_BASE=str(tmp_path / "ws"),
+        FLASHINFER_CUDA_ARCH_LIST="9.0a",
+    )
+    res, log = _vllm_result(**env)
+    assert res["wrapped"], log
+    assert res["name"].startswith("fused_moe_90") and "_vllm_h20_" in res["name"]
+    assert res["first"].startswith(str(tmp_path / "c" / "flashinfer" / installed_fi.version))
+    assert log.count("vllm-h20: MoE dispatch: per-expert expected_m") == 1
+
+    res, log = _vllm_result(VLLM_H20_MOE_DISPATCH="stock", **env)
+    assert not res["wrapped"] and "VLLM_H20_MOE_DISPATCH=stock" in log
+
+    res, log = _vllm_result(VLLM_PLUGINS="some_other_plugin", **env)
+    assert not res["wrapped"] and "vllm-h20" not in log

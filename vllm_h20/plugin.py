@@ -1,0 +1,27 @@
+"""vLLM general plugin: activates the per-expert MoE dispatch fix in every vLLM process.
+
+vLLM calls `register()` in the API server, the engine core and every worker before model code
+runs. It imports only the standard library and our small `moe` modules, logs one line, and
+defers all FlashInfer work to FlashInfer's own first fused-MoE build. `VLLM_PLUGINS` (vLLM's
+allowlist) disables it; `VLLM_H20_MOE_DISPATCH=stock` keeps it loaded but hands-off.
+"""
+
+from __future__ import annotations
+
+import logging
+
+# Under vLLM's "vllm" logger so the line gets vLLM's format and level settings.
+logger = logging.getLogger("vllm.plugins.vllm_h20")
+_done = False
+
+
+def register() -> None:
+    global _done
+    if _done:  # vLLM may call general plugins more than once per process
+        return
+    from .moe import dispatch
+
+    decision = dispatch.decide()
+    (logger.warning if decision.warn else logger.info)("vllm-h20: %s", decision.message)
+    dispatch.activate(decision)
+    _done = True
