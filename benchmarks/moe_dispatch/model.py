@@ -1,0 +1,135 @@
+"""A small performance model of the grouped FP8 GEMMs, fitted on H200 and carried to H20.
+
+Per grouped GEMM (one of FC1/FC2 on one rank):
+
+    t = c0 + max((weight_bytes + r * reread_bytes) / bw, mma_flops / tc)
+
+weight_bytes: the FP8 weights and scales of the experts that received rows (read once);
+reread_bytes: those weights again for every further row tile of an expert (a hot expert
+with 2,048 rows in 32-row tiles streams its weights 64 times; r < 1 is the share L2 does not
+absorb); mma_flops: 2 * N * K * sum over experts of their rows padded to the kernel's tile
+(block_m for the regular kernel, block_n for swap-A/B), the tile chosen by DeepGEMM's own
+`get_best_gemm_config` (ported below); c0: launch and pipeline fill. bw, tc, r and c0 are
+fitted per kernel path on the H200 measurements; H20 keeps the fitted fractions of each
+device's peak (assumptions in report.py)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import cases
+import numpy as np
+
+from vllm_h20.moe.expected_m import per_expert_expected_m, swap_threshold
+
+
+def best_block(shape_m: int, shape_n: int, num_groups: int, sms: int) -> tuple[int, int]:
+    """(block_m, block_n) of DeepGEMM's get_best_gemm_config (jit_utils.cuh), grouped case."""
+    block_m = 64 if shape_m <= 64 else 128
+    best_n, best_waves, best_util = 0, None, -1
+    for block_n in range(16, 129, 8):
+        tiles = math.ceil(shape_m / block_m) * math.ceil(shape_n / block_n) * num_groups
+        waves = math.ceil(tiles / sms)
+        util = tiles % sms or sms
+        if best_waves is None or waves < best_waves or (waves == best_waves and util > best_util):
+            best_n, best_waves, best_util = block_n, waves, util
+    return block_m, best_n
+
+
+def tile_rows(path: str, expected_m: int, n: int, sms: int) -> int:
+    """Rows of one expert's M tile: block_m (regular) or block_n over the rows (swap-A/B)."""
+    if path == "regular":
+        return best_block(expected_m, n, cases.LOCAL, sms)[0]
+    return best_block(n, expected_m, cases.LOCAL, sms)[1]
+
+
+def path_of(expected_m: int, sms: int, threshold: int | None = None) -> str:
+    th = swap_threshold(sms) if threshold is None else threshold
+    return "regular" if expected_m >= th else "swap_ab"
+
+
+def gemm_terms(counts: np.ndarray, shape, expected_m: int, path: str, sms: int):
+    """(weight bytes, re-read bytes, padded MMA flops) of one grouped GEMM."""
+    tile = tile_rows(path, expected_m, shape.n, sms)
+    active = counts[counts > 0]
+    tiles = np.ceil(active / tile)
+    per_expert = shape.weight_bytes(1)
+    return (
+        per_expert * len(active),
+        per_expert * float((tiles - 1).sum()),
+        2.0 * shape.n * shape.k * float((tiles * tile).sum()),
+    )
+
+
+@dataclass(frozen=True)
+class Fit:
+    bw: float  # achieved bytes/s
+    tc: float  # achieved FLOP/s on padded MMA work
+    c0: float  # seconds per GEMM
+    r: float  # share of weight re-reads that reach HBM
+
+    def predict(self, terms) -> float:
+        return sum(self.c0 + max((b + self.r * rb) / self.bw, f / self.tc) for b, rb, f in terms)
+
+
+def _arrays(samples):
+    width = max(len(t) for t, _ in samples)
+    a = np.zeros((len(samples), width, 3))
+    mask = np.zeros((len(samples), width))
+    for i, (terms, _) in enumerate(samples):
+        a[i, : len(terms)] = terms
+        mask[i, : len(terms)] = 1
+    return a, mask, np.array([m for _, m in samples])
+
+
+def fit(samples: list[tuple[list[tuple[float, float, float]], float]]) -> Fit:
+    """Least relative squared error over (terms, measured seconds): coarse-to-fine grid over
+    (bw, tc, r), c0 >= 0 solved in closed form for each point."""
+    a, mask, t = _arrays(samples)
+    n = mask.sum(1)
+    w = 1 / t**2
+
+    def loss(bw, tc, r):
+        base = (np.maximum((a[..., 0] + r * a[..., 1]) / bw, a[..., 2] / tc) * mask).sum(1)
+        c0 = max(0.0, float(((t - base) * n * w).sum() / (n * n * w).sum()))
+        err = (base + n * c0 - t) / t
+        return float((err**2).mean()), c0
+
+    lo = np.array([0.3e12, 20e12, 0.0])
+    hi = np.array([6e12, 2000e12, 1.0])
+    best = None
+    for _ in range(5):
+        for bw in np.geomspace(lo[0], hi[0], 24):
+            for tc in np.geomspace(lo[1], hi[1], 24):
+                for r in np.linspace(lo[2], hi[2], 11):
+                    val, c0 = loss(bw, tc, r)
+                    if best is None or val < best[0]:
+                        best = (val, bw, tc, r, c0)
+        _, bw, tc, r, _ = best
+        lo = np.array([bw / 1.4, tc / 1.4, max(0.0, r - 0.1)])
+        hi = np.array([bw * 1.4, tc * 1.4, min(1.0, r + 0.1)])
+    return Fit(bw=best[1], tc=best[2], c0=best[4], r=best[3])
+
+
+@dataclass(frozen=True)
+class Device:
+    name: str
+    sms: int
+    fp8_tflops: float  # dense FP8 the fit's tc is scaled by
+    hbm_tbps: float  # bandwidth the fit's bw is scaled by
+
+
+# H20 datasheet: 296 dense FP8 TFLOP/s, 4.0 TB/s HBM3, 78 SMs (threshold 64).
+H20 = Device("H20", 78, 296.0, 4.0)
+
+
+def rank_terms(counts, tokens: int, version: str, sms: int, threshold: int | None = None):
+    """The two GEMMs one rank issues, as (path, terms) for the stock or the fixed estimate."""
+    m = (
+        tokens
+        if version == "stock"
+        else per_expert_expected_m(tokens, cases.TOP_K, cases.LOCAL, cases.EP)
+    )
+    path = path_of(m, sms, threshold)
+    return path, [gemm_terms(counts, s, m, path, sms) for s in cases.SHAPES]
