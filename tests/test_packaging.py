@@ -33,6 +33,7 @@ def test_plugin_entry_point_and_patches_are_declared():
     cfg = proj["tool"]["setuptools"]
     assert cfg["package-dir"]["vllm_h20.patches"] == "patches"
     assert "flashinfer/*.patch" in cfg["package-data"]["vllm_h20.patches"]
+    assert cfg["package-dir"]["vllm_h20.recipes"] == "recipes"
 
 
 @pytest.mark.slow
@@ -56,5 +57,6 @@ def test_wheel_ships_rules_patches_and_the_plugin(tmp_path):
     assert all(f"vllm_h20/patches/flashinfer/{p}" in names for p in shipped)
     assert "vllm_h20/rules/deepseek_v41_flash.yaml" in names
     assert "vllm_h20/plugin.py" in names
+    assert "vllm_h20/recipes/deepseek-v41-flash-fp8-tp8ep8.yaml" in names
     ep = next(n for n in names if n.endswith("entry_points.txt"))
     assert "vllm_h20 = vllm_h20.plugin:register" in zipfile.ZipFile(wheel).read(ep).decode()

@@ -16,14 +16,8 @@ from pathlib import Path
 import click
 
 from . import __version__
-
-EXIT_CHECK_FAILED = 1
-EXIT_BAD_INPUT = 2
-
-
-def _fail(msg: str, code: int = EXIT_BAD_INPUT) -> None:
-    click.echo(f"error: {msg}", err=True)
-    sys.exit(code)
+from .exits import EXIT_CHECK_FAILED
+from .exits import fail as _fail
 
 
 def _user_errors():
@@ -228,13 +222,24 @@ _spread_opt = click.option(
 @_spread_opt
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--sparse", is_flag=True, help="Write headers only (sparse files of full size).")
-def synth(dst, preset, layers, experts, layout, shards, spread, seed, sparse):
+@click.option(
+    "--converted",
+    is_flag=True,
+    help="Write what `vllm-h20 convert` would make of it (FP8 layout), headers only: a "
+    "full-size served checkpoint for `plan` and `serve --dry-run`.",
+)
+def synth(dst, preset, layers, experts, layout, shards, spread, seed, sparse, converted):
     """Write a synthetic checkpoint in the DeepSeek-V4.1-Flash release layout to DST."""
-    from .convert.synth import generate, scaled
+    from .convert.synth import generate, generate_converted, scaled
 
     if dst.exists() and any(dst.iterdir()):
         _fail(f"{dst}: not empty; choose a new directory")
     shape = scaled(preset, layers=layers, experts=experts)
+    if converted:
+        info = generate_converted(dst, shape, shards=shards)
+        click.echo(f"wrote {info['tensors']:,} tensors (FP8 layout, headers only), "
+                   f"{info['bytes'] / 2**30:.2f} GiB, to {dst}")  # fmt: skip
+        return
     info = generate(
         dst, shape, layout=layout, shards=shards, spread=spread, seed=seed, sparse=sparse
     )
@@ -283,9 +288,13 @@ def demo(workdir, spread):
 
 def _register_subgroups() -> None:
     from .moe.cli import kernels, patches
+    from .serve.cli import plan_cmd, recipe, serve
 
     main.add_command(kernels)
     main.add_command(patches)
+    main.add_command(recipe)
+    main.add_command(plan_cmd)
+    main.add_command(serve)
 
 
 _register_subgroups()

@@ -86,9 +86,26 @@ PRESETS: dict[str, ModelShape] = {
         vocab=32768,
         vision_layers=1,
     ),
-    # The published V4.1-Flash shapes (with --sparse: headers only, for the planner).
-    "flash": ModelShape(),
+    # The published V4.1-Flash shapes (with --sparse: headers only, for the planner). The
+    # Engram table geometry is not published: 2 tables x 95,981,714 rows x 1024 E4M3 values
+    # (+ E8M0 scales) is what makes the release total the seed's 475.24 GiB, everything else
+    # being sized from the published shapes (ENGRAM_ROWS_FROM_SEED below reproduces it).
+    "flash": ModelShape(engram_rows=95_981_714),
 }
+
+
+SEED_RELEASE_GIB = 475.24  # the seed write-up's MXFP4 V4.1-Flash release, bytes in
+
+
+def engram_rows_from_seed(shape: ModelShape, total_gib: float = SEED_RELEASE_GIB) -> int:
+    """Rows per Engram table that make the whole inventory `total_gib`: the only size of the
+    release not derivable from published shapes."""
+    entries = inventory(replace(shape, engram_rows=0))
+    rest = sum(tensor_nbytes(d, sh) for _n, d, sh, _k in entries)
+    per_row = tensor_nbytes("F8_E4M3", (1, shape.engram_dim)) + tensor_nbytes(
+        "F8_E8M0", (1, shape.engram_dim // 32)
+    )
+    return round((total_gib * (1 << 30) - rest) / len(shape.engram_layers) / per_row)
 
 
 def _config(shape: ModelShape, layout: str) -> dict:
@@ -317,6 +334,40 @@ TOKENIZER = {
         "unk_token": "<unk>",
     },
 }
+
+
+def generate_converted(dst: Path, shape: ModelShape, *, shards: int = 4) -> dict:
+    """Headers-only (sparse) checkpoint in the layout `vllm-h20 convert` writes: the source
+    inventory mapped through the shipped conversion rules by the converter's own planner, so
+    the planner and `serve` can be exercised on a full-size FP8 checkpoint without 700 GiB."""
+    import tempfile
+
+    from . import rules as rules_mod
+    from .config import dumps as config_dumps
+    from .config import rewrite_config
+    from .plan import CONFIG, INDEX, make_plan
+
+    dst = Path(dst)
+    dst.mkdir(parents=True, exist_ok=True)
+    rs = rules_mod.load(None)
+    with tempfile.TemporaryDirectory(dir=dst.parent) as tmp:
+        generate(Path(tmp) / "src", shape, shards=shards, sparse=True)
+        plan = make_plan(Path(tmp) / "src", rs)
+        weight_map, total = {}, 0
+        for sp in plan.shards:
+            w = ShardWriter(dst / sp.name, [(t.name, t.dtype, t.shape) for t in sp.tensors],
+                            {"format": "pt"})  # fmt: skip
+            w.truncate_sparse()
+            for t in sp.tensors:
+                weight_map[t.name] = sp.name
+                total += t.nbytes
+        for rel in plan.other_files:
+            (dst / rel).write_bytes((plan.src / rel).read_bytes())
+        (dst / CONFIG).write_bytes(config_dumps(rewrite_config(plan.config, rs.config)))
+    (dst / INDEX).write_text(
+        json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2)
+    )
+    return {"dst": str(dst), "bytes": total, "tensors": len(weight_map), "sparse": True}
 
 
 def generate(

@@ -15,16 +15,10 @@ from pathlib import Path
 import click
 
 from ..console import make_console, step_progress
+from ..exits import EXIT_CHECK_FAILED
+from ..exits import fail as _fail
 from . import dispatch, flashinfer_src, overlay
 from .patchfile import PatchError
-
-EXIT_CHECK_FAILED = 1
-EXIT_BAD_INPUT = 2
-
-
-def _fail(msg: str, code: int = EXIT_BAD_INPUT):
-    click.echo(f"error: {msg}", err=True)
-    sys.exit(code)
 
 
 def _version(dist: str) -> str:

@@ -1,0 +1,40 @@
+"""Recipes against vLLM 0.33.0's own parser and config classes (CI installs vLLM)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from vllm_h20.serve import check, recipe
+from vllm_h20.serve.recipe import RecipeError
+
+ROOT = Path(__file__).resolve().parents[2]
+pytestmark = pytest.mark.vllm
+pytest.importorskip("vllm")
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "recipes").glob("*.yaml")), ids=lambda p: p.stem)
+def test_shipped_recipes_are_valid(path):
+    res = check.check(recipe.load(path))
+    assert res.vllm == "0.33.0"
+    assert res.parsed["tensor_parallel_size"] == 8
+    assert res.parsed["engram_cpu_offload"] is True
+
+
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("tensor-parallel-size: 8\nblok-size: 64\n", r"r.yaml:2: blok-size: not a `vllm serve` "
+         r"flag in vLLM 0.33.0; did you mean block-size\?"),
+        ("block-size: sixty-four\n", r"r.yaml:1: block-size: .*invalid"),
+        ("enable-expert-parallel: true\nenable-eplb: true\neplb-config:\n  num_redundant: 16\n",
+         r"r.yaml:3: eplb-config: .*num_redundant"),
+        ("speculative-config:\n  method: dspark\n  num_spec_tokens: 2\n",
+         r"r.yaml:1: speculative-config.num_spec_tokens: not a SpeculativeConfig field"),
+    ],
+)  # fmt: skip
+def test_bad_recipes_are_one_line_naming_the_key(write_recipe, text, message):
+    with pytest.raises(RecipeError, match=message) as e:
+        check.check(recipe.load(write_recipe(text)))
+    assert "\n" not in str(e.value)

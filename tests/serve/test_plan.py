@@ -1,0 +1,115 @@
+"""Planner maths on generated checkpoints whose every size is known."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from vllm_h20.convert.safetensors_io import read_header
+from vllm_h20.serve import plan, recipe
+from vllm_h20.serve.recipe import RecipeError
+
+GIB = 1 << 30
+BASE = {
+    "tensor_parallel_size": 2,
+    "data_parallel_size": 1,
+    "enable_expert_parallel": True,
+    "enable_eplb": True,
+    "num_redundant_experts": 2,
+    "gpu_memory_utilization": 0.9,
+    "max_model_len": 4096,
+    "max_cudagraph_capture_size": 768,
+    "engram_cpu_offload": True,
+    "engram_use_thp": False,
+}
+
+
+def _sizes(model):
+    out = {}
+    for f in sorted(model.glob("*.safetensors")):
+        for name, t in read_header(f).tensors.items():
+            out[name] = t.end - t.begin
+    return out
+
+
+def _plan(model, **over):
+    return plan.plan(recipe.load("deepseek-v41-flash-fp8-tp8ep8"), BASE | over, model, "h200")
+
+
+def test_weights_split_by_ep_tp_and_replicated_exactly(tiny_fp8):
+    sizes = _sizes(tiny_fp8)
+    p = _plan(tiny_fp8)
+    per_expert = max(
+        v for k, v in sizes.items() if ".ffn.experts.0." in k and k.startswith("layers.0")
+    )
+    # all three of w1/w2/w3 (+scales) of one expert
+    one = sum(v for k, v in sizes.items() if k.startswith("layers.0.ffn.experts.0."))
+    assert per_expert < one
+    experts_main = {k.split(".")[4] for k in sizes if k.startswith("layers.0.ffn.experts.")}
+    layers = {k.split(".")[1] for k in sizes if k.startswith("layers.")}
+    slots = math.ceil((len(experts_main) + 2) / 2)  # (E + redundant) / EP
+    assert p.slots_per_rank["main"] == slots
+    assert p.weights["routed experts (EP)"] == pytest.approx(len(layers) * slots * one, rel=1e-9)
+    tp_sharded = sum(v for k, v in sizes.items() if plan._TP.search(k))
+    assert p.weights["dense (TP-sharded)"] == pytest.approx(tp_sharded / 2, abs=1)
+    engram = [v for k, v in sizes.items() if ".engram.embed." in k]
+    replicated = (
+        sum(sizes.values())
+        - tp_sharded
+        - sum(engram)
+        - sum(v for k, v in sizes.items() if ".ffn.experts." in k)
+    )
+    assert p.weights["dense (replicated)"] == replicated
+    # Engram tables: TP-sharded, pinned, each shard rounded up to a power of two.
+    assert p.host_per_rank == sum(1 << (math.ceil(t / 2) - 1).bit_length() for t in engram)
+    assert p.host_per_node == 2 * p.host_per_rank
+    thp = _plan(tiny_fp8, engram_use_thp=True)
+    assert thp.host_per_rank == sum(math.ceil(t / 2) for t in engram) <= p.host_per_rank
+
+
+def test_without_ep_experts_are_tp_sharded_and_engram_on_gpu(tiny_fp8):
+    sizes = _sizes(tiny_fp8)
+    p = _plan(tiny_fp8, enable_expert_parallel=False, enable_eplb=False, engram_cpu_offload=False)
+    main = sum(v for k, v in sizes.items() if ".ffn.experts." in k and k.startswith("layers."))
+    assert p.weights["routed experts (TP)"] == pytest.approx(main / 2, abs=1)
+    assert p.host_per_rank == 0 and p.weights["Engram tables (TP)"] > 0
+
+
+def test_kv_cache_and_fit(tiny_fp8):
+    ov = plan.Overheads()
+    p = _plan(tiny_fp8)
+    over = ov.non_torch_gib + ov.activation_peak_gib + ov.cuda_graph_gib_at_768
+    assert p.budget == int(plan.GPUS["h200"] * 0.9)
+    assert p.kv_bytes == pytest.approx(p.budget - p.weights_total - over * GIB, abs=2)
+    assert p.kv_tokens == int(p.kv_bytes / ov.kv_bytes_per_token)
+    assert p.fits and p.concurrency(4096) == p.kv_tokens // 4096
+    small = plan.plan(recipe.load("deepseek-v41-flash-fp8-tp8ep8"), BASE, tiny_fp8, "10")
+    assert not small.fits and "exceed 0.9 x 10.00 GiB" in small.why
+    long = _plan(tiny_fp8, max_model_len=10**9)
+    assert not long.fits and "fewer than max-model-len 1,000,000,000" in long.why
+    half = _plan(tiny_fp8, max_cudagraph_capture_size=384)
+    assert half.overheads["CUDA graphs"] == pytest.approx(p.overheads["CUDA graphs"] / 2)
+
+
+@pytest.mark.parametrize("gpu", ["h20-97", "-3", "big"])
+def test_bad_gpu_names(gpu):
+    with pytest.raises(RecipeError, match=f"--gpu {gpu}"):
+        plan.gpu_bytes(gpu)
+
+
+@pytest.mark.slow
+def test_full_size_flash_checkpoint_matches_the_seed(tmp_path_factory):
+    """Full-size V4.1-Flash in the converted layout (sparse: headers only; the Engram table
+    sizes derived from the seed's 475.24 GiB release): weights per rank vs the seed's 70.94."""
+    from vllm_h20.convert.synth import PRESETS, generate_converted
+
+    model = tmp_path_factory.mktemp("flash") / "fp8"
+    info = generate_converted(model, PRESETS["flash"], shards=16)
+    assert info["bytes"] / GIB == pytest.approx(718.60, abs=0.01)  # the seed's converted size
+    parsed = BASE | {"tensor_parallel_size": 8, "num_redundant_experts": 16,
+                     "gpu_memory_utilization": 0.97, "max_model_len": 262144}  # fmt: skip
+    p = plan.plan(recipe.load("deepseek-v41-flash-fp8-tp8ep8"), parsed, model, "h20-96g")
+    assert p.slots_per_rank == {"main": 50, "draft": 16}
+    assert p.weights_total / GIB == pytest.approx(70.94, rel=0.05)
+    assert p.fits and p.kv_tokens > 262144

@@ -1,0 +1,79 @@
+"""`vllm-h20 recipe check`: a recipe is what the installed vLLM accepts, with no conflicts.
+
+vLLM's own parser and config classes do the validation (vllm_parse.py, in a child process);
+on top we refuse combinations vLLM accepts silently but that cannot be what was meant.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+from typing import Any
+
+from .recipe import Recipe, RecipeError
+
+
+@dataclass(frozen=True)
+class CheckResult:
+    vllm: str
+    flags: int
+    parsed: dict[str, Any]
+
+
+def conflicts(r: Recipe) -> None:
+    """Raise RecipeError for what vLLM would accept but not do as written."""
+    if "config" in r.flags:
+        raise RecipeError(
+            f"{r.where('config')}: config: a recipe cannot include another config file "
+            "(vLLM reads only one --config)"
+        )
+    eplb = bool(r.get("enable-eplb", False))
+    ep = bool(r.get("enable-expert-parallel", False))
+    redundant = r.get("eplb-config.num_redundant_experts", 0) or 0
+    if eplb and not ep:
+        raise RecipeError(
+            f"{r.where('enable-eplb')}: enable-eplb needs enable-expert-parallel: true "
+            "(EPLB balances experts across expert-parallel ranks)"
+        )
+    if redundant and not eplb:
+        raise RecipeError(
+            f"{r.where('eplb-config')}: eplb-config.num_redundant_experts: {redundant} has no "
+            "effect without enable-eplb: true"
+        )
+
+
+def check_argv(extra: list[str]) -> None:
+    """Extra `vllm serve` arguments: `--config=FILE` is silently ignored by vLLM."""
+    for a in extra:
+        if a.startswith("--config="):
+            raise RecipeError(
+                f"{a}: vLLM ignores --config=FILE; pass the recipe as FILE (or --config FILE)"
+            )
+        if a == "--config":
+            raise RecipeError("--config: the recipe is already the config file; give one only")
+
+
+def check(r: Recipe, python: str | None = None) -> CheckResult:
+    conflicts(r)
+    env = dict(os.environ, VLLM_TARGET_DEVICE="cpu", VLLM_CONFIGURE_LOGGING="0")
+    proc = subprocess.run(
+        [python or sys.executable, "-m", "vllm_h20.serve.vllm_parse", str(r.path)],
+        capture_output=True,
+        text=True,
+        env=env,
+    )
+    line = next((x for x in proc.stdout.splitlines() if x.startswith("VLLM_PARSE ")), None)
+    if line is None:
+        if "No module named 'vllm'" in proc.stderr:
+            raise RecipeError("vLLM is not installed here; `pip install vllm==0.33.0` to check")
+        tail = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+        raise RecipeError(f"{r.path}: vLLM's parser failed: {tail}")
+    out = json.loads(line[len("VLLM_PARSE ") :])
+    if not out["ok"]:
+        key = out.get("key")
+        where = r.where(key) if key else str(r.path)
+        raise RecipeError(f"{where}: {key + ': ' if key else ''}{out['error']}")
+    return CheckResult(vllm=out["vllm"], flags=out["flags"], parsed=out["parsed"])

@@ -1,0 +1,155 @@
+"""`vllm-h20 recipe check`, `vllm-h20 plan`, `vllm-h20 serve`."""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import shutil
+import sys
+from pathlib import Path
+
+import click
+
+from ..console import make_console
+from ..exits import EXIT_CHECK_FAILED
+from ..exits import fail as _fail
+from .recipe import RecipeError
+
+GIB = 1 << 30
+
+
+def _checked(file: str):
+    from . import check, recipe
+
+    try:
+        r = recipe.load(file)
+        return r, check.check(r)
+    except RecipeError as e:
+        _fail(str(e))
+
+
+@click.group()
+def recipe() -> None:
+    """Serving recipes: `vllm serve --config` files (recipes/*.yaml or your own)."""
+
+
+@recipe.command("check")
+@click.argument("files", nargs=-1, required=True)
+def recipe_check(files) -> None:
+    """Validate recipes with the installed vLLM's own parser and config classes.
+
+    FILE is a path or the name of a shipped recipe. Unknown flags or nested keys, wrong
+    types and conflicts (EPLB without expert parallelism, redundant experts without EPLB, a
+    nested `config`) are one line naming file:line: key. Exit 0 when all are valid."""
+    for f in files:
+        r, res = _checked(f)
+        click.echo(f"ok: {r.path}: {res.flags} flags valid for vLLM {res.vllm}")
+
+
+_gpu_opt = click.option(
+    "--gpu",
+    default="h20-96g",
+    show_default=True,
+    metavar="h20-96g|h20-141g|h200|h100|GIB",
+    help="GPU memory per device, by name or in GiB.",
+)
+
+
+def _plan(file: str, model: Path, gpu: str):
+    from . import plan as plan_mod
+
+    r, res = _checked(file)
+    if not model.is_dir():
+        _fail(f"{model}: not a directory; --model is the (converted) checkpoint directory")
+    try:
+        return r, res, plan_mod.plan(r, res.parsed, model, gpu)
+    except (RecipeError, ValueError) as e:
+        _fail(str(e))
+
+
+def _print_plan(p, contexts=(8192, 32768, 131072)) -> None:
+    from rich.table import Table
+
+    t = Table(title=f"per GPU: {p.gpu}, TP{p.tp} x EP{p.ep}", show_header=False)
+    for k, v in p.weights.items():
+        t.add_row(f"weights: {k}", f"{v / GIB:10.2f} GiB")
+    t.add_row("[bold]weights[/]", f"[bold]{p.weights_total / GIB:10.2f} GiB[/]")
+    for k, v in p.overheads.items():
+        t.add_row(k, f"{v / GIB:10.2f} GiB")
+    t.add_row("budget (gpu-memory-utilization)", f"{p.budget / GIB:10.2f} GiB")
+    t.add_row(
+        "[bold]KV cache[/]", f"[bold]{p.kv_bytes / GIB:10.2f} GiB[/] = {p.kv_tokens:,} tokens"
+    )
+    for c in contexts:
+        t.add_row(f"requests at {c:,}-token context", f"{p.concurrency(c):,}")
+    if p.host_per_rank:
+        t.add_row("pinned host memory (Engram)", f"{p.host_per_rank / GIB:.2f} GiB per GPU, "
+                  f"{p.host_per_node / GIB:.1f} GiB per node")  # fmt: skip
+    if p.slots_per_rank:
+        t.add_row(
+            "expert slots per rank", ", ".join(f"{k} {v}" for k, v in p.slots_per_rank.items())
+        )
+    make_console().print(t)
+
+
+@click.command("plan")
+@click.argument("file")
+@click.option("--model", type=click.Path(path_type=Path), required=True, help="Checkpoint dir.")
+@_gpu_opt
+@click.option("--json", "as_json", is_flag=True, help="Print the plan as JSON on stdout.")
+def plan_cmd(file, model, gpu, as_json) -> None:
+    """Memory per GPU for a recipe and a checkpoint, from its headers: weights by TP/EP
+    (EPLB replicas included), runtime overheads (defaults from the seed's H20 profile), KV
+    cache in GiB and tokens, concurrent requests per context, pinned host memory.
+
+    Exit 0 when it fits, 1 when it does not (the numbers say by how much)."""
+    _r, _res, p = _plan(file, model, gpu)
+    if as_json:
+        click.echo(json.dumps(p.to_json(), indent=2))
+    else:
+        _print_plan(p)
+        click.echo("fits" if p.fits else f"does not fit: {p.why}")
+    sys.exit(0 if p.fits else EXIT_CHECK_FAILED)
+
+
+@click.command(context_settings={"ignore_unknown_options": True})
+@click.argument("file")
+@click.option("--model", type=click.Path(path_type=Path), default=None,
+              help="Checkpoint dir (else the recipe's `model`).")  # fmt: skip
+@_gpu_opt
+@click.option("--dry-run", is_flag=True, help="Check and plan, print the command, run nothing.")
+@click.option("--force", is_flag=True, help="Start even when the plan says it will not fit.")
+@click.argument("extra", nargs=-1, type=click.UNPROCESSED)
+def serve(file, model, gpu, dry_run, force, extra) -> None:
+    """Check the recipe, plan memory, then exec `vllm serve MODEL --config FILE [EXTRA...]`
+    with the vllm-h20 plugin active (it is a vLLM general plugin: installed = active).
+
+    \b
+      vllm-h20 serve deepseek-v41-flash-fp8-tp8ep8 --model /models/V4.1-Flash-FP8
+      vllm-h20 serve recipes/my.yaml --model /m -- --port 8001
+    """
+    from . import check
+
+    r, res = _checked(file)
+    try:
+        check.check_argv(list(extra))
+    except RecipeError as e:
+        _fail(str(e))
+    model = model or (Path(r.flags["model"]) if "model" in r.flags else None)
+    if model is None:
+        _fail(f"{r.path}: no model: pass --model DIR or set `model:` in the recipe")
+    _r, _res, p = _plan(file, model, gpu)
+    _print_plan(p)
+    if not p.fits and not force:
+        _fail(f"will not fit: {p.why} (see the plan above; --force starts anyway)",
+              EXIT_CHECK_FAILED)  # fmt: skip
+    vllm = shutil.which("vllm")
+    argv = [vllm or "vllm", "serve", str(model), "--config", str(r.path), *extra]
+    click.echo("$ " + shlex.join(argv))
+    if dry_run:
+        return
+    if vllm is None:
+        _fail("the `vllm` command is not on PATH (pip install vllm==0.33.0)")
+    sys.stdout.flush()
+    os.execvp(vllm, argv)

@@ -1,0 +1,201 @@
+"""Per-rank memory plan: will this recipe and checkpoint fit, and with how much KV cache?
+
+Weights come from the checkpoint's safetensors headers (exact bytes, no data read), split the
+way vLLM lays DeepSeek-V4.1 out: routed experts by expert parallelism (EPLB replicas included),
+the tensor-parallel linears by TP, the rest replicated, Engram tables in pinned host memory.
+Runtime overheads are parameters whose defaults are the seed's H20 startup figures.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections import defaultdict
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from ..convert.plan import INDEX
+from ..convert.safetensors_io import read_header
+from .recipe import Recipe, RecipeError
+
+GIB = 1 << 30
+MIB = 1 << 20
+# Device memory as nvidia-smi reports it. h20-96g is the seed's figure; the others are the
+# cards' usual reports (H20-3e 141 GB assumed equal to H200's 143,771 MiB; not measured here).
+GPUS = {"h20-96g": 97_871 * MIB, "h20-141g": 143_771 * MIB, "h200": 143_771 * MIB,
+        "h100": 81_559 * MIB}  # fmt: skip
+
+_EXPERT = re.compile(r"^(?P<layer>.*)\.ffn\.experts\.(?P<e>\d+)\.")
+_ENGRAM_TABLE = re.compile(r"\.engram\.embed\.")
+# Linears vLLM splits over tensor-parallel ranks (column- or row-parallel); the rest of the
+# dense tensors (low-rank down projections, norms, router, compressors) are replicated.
+_TP = re.compile(
+    r"(\.attn\.(wq_b|wo_a|wo_b)\.|\.indexer\.wq_b\.|\.shared_experts\.w[123]\.|\.engram\.wkv\.|"
+    r"^embed\.weight$|^head\.weight$)"
+)
+
+
+@dataclass(frozen=True)
+class Overheads:
+    """Runtime memory besides weights and KV cache, per GPU. Defaults: the seed's 8xH20 run
+    (vLLM 0.30.0 startup profiler): weights 70.94 GiB, weights + non-torch 76.11 GiB,
+    activation peak 10.65 GiB, CUDA-graph pool 2.60 GiB at capture size 768, 3.57 GiB of KV
+    cache = 1,041,984 tokens (so 3,679 bytes per token per rank for V4.1-Flash, block 64)."""
+
+    non_torch_gib: float = 76.11 - 70.94
+    activation_peak_gib: float = 10.65
+    cuda_graph_gib_at_768: float = 2.60
+    kv_bytes_per_token: float = 3.57 * GIB / 1_041_984
+
+
+@dataclass
+class RankPlan:
+    gpu: str
+    gpu_bytes: int
+    tp: int
+    ep: int
+    slots_per_rank: dict[str, int]
+    weights: dict[str, int] = field(default_factory=dict)  # group -> bytes on each GPU
+    host_per_rank: int = 0
+    host_per_node: int = 0
+    overheads: dict[str, float] = field(default_factory=dict)
+    budget: int = 0
+    kv_bytes: int = 0
+    kv_tokens: int = 0
+    max_model_len: int = 0
+    fits: bool = False
+    why: str = ""
+
+    @property
+    def weights_total(self) -> int:
+        return sum(self.weights.values())
+
+    def concurrency(self, context: int) -> int:
+        return max(0, self.kv_tokens // max(1, context))
+
+    def to_json(self) -> dict:
+        d = asdict(self)
+        d["weights_total"] = self.weights_total
+        return d
+
+
+def gpu_bytes(spec: str) -> tuple[str, int]:
+    if spec in GPUS:
+        return spec, GPUS[spec]
+    try:
+        gib = float(spec)
+    except ValueError:
+        raise RecipeError(
+            f"--gpu {spec}: use one of {', '.join(GPUS)} or a size in GiB (e.g. 95.5)"
+        ) from None
+    if gib <= 0:
+        raise RecipeError(f"--gpu {spec}: a GPU size must be positive")
+    return f"{gib:g} GiB", int(gib * GIB)
+
+
+def _tensors(model: Path):
+    """(name, bytes) of every tensor, from the headers named by the index (or all shards)."""
+    index = model / INDEX
+    if index.is_file():
+        import json
+
+        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    else:
+        shards = sorted(p.name for p in model.glob("*.safetensors"))
+    if not shards:
+        raise RecipeError(f"{model}: no safetensors shards (is this a model directory?)")
+    for s in shards:
+        h = read_header(model / s)
+        for name, t in h.tensors.items():
+            yield name, t.end - t.begin
+
+
+def plan(
+    recipe: Recipe,
+    parsed: dict,
+    model: Path,
+    gpu: str = "h20-96g",
+    overheads: Overheads | None = None,
+) -> RankPlan:
+    """parsed: the values vLLM's parser read from the recipe (check.CheckResult.parsed)."""
+    ov = overheads or Overheads()
+    gpu_name, total = gpu_bytes(gpu)
+    tp = int(parsed.get("tensor_parallel_size") or 1)
+    dp = int(parsed.get("data_parallel_size") or 1)
+    ep = tp * dp if parsed.get("enable_expert_parallel") else 1
+    redundant = int(parsed.get("num_redundant_experts") or 0) if parsed.get("enable_eplb") else 0
+    offload = bool(parsed.get("engram_cpu_offload"))
+
+    experts: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
+    w: dict[str, float] = defaultdict(float)
+    engram_tables: list[int] = []
+    for name, nbytes in _tensors(model):
+        m = _EXPERT.match(name)
+        if m:
+            experts[m["layer"]][m["e"]] += nbytes
+        elif _ENGRAM_TABLE.search(name):
+            engram_tables.append(nbytes)
+        elif _TP.search(name):
+            w["dense (TP-sharded)"] += nbytes / tp
+        else:
+            w["dense (replicated)"] += nbytes
+    slots = {}
+    for layer, per_expert in experts.items():
+        n = len(per_expert)
+        biggest = max(per_expert.values())
+        if ep > 1:
+            # EPLB replicas apply to the main model's MoE layers, not the DSpark draft (mtp.*).
+            r = 0 if layer.startswith("mtp.") else redundant
+            k = math.ceil((n + r) / ep)
+            slots["draft" if layer.startswith("mtp.") else "main"] = k
+            w["routed experts (EP)" if not layer.startswith("mtp.") else "draft experts (EP)"] += (
+                k * biggest
+            )
+        else:
+            key = "routed experts (TP)" if not layer.startswith("mtp.") else "draft experts (TP)"
+            w[key] += sum(per_expert.values()) / tp
+    host_per_rank = 0
+    for t in engram_tables:
+        shard = math.ceil(t / tp)
+        if offload:
+            # Pinned allocations round up to a power of two unless backed by huge pages.
+            host_per_rank += (
+                shard if parsed.get("engram_use_thp") else 1 << (shard - 1).bit_length()
+            )
+        else:
+            w["Engram tables (TP)"] += shard
+    capture = int(parsed.get("max_cudagraph_capture_size") or 768)
+    over = {
+        "non-torch": ov.non_torch_gib * GIB,
+        "activation peak": ov.activation_peak_gib * GIB,
+        "CUDA graphs": ov.cuda_graph_gib_at_768 * GIB * capture / 768,
+    }
+    p = RankPlan(
+        gpu=gpu_name,
+        gpu_bytes=total,
+        tp=tp,
+        ep=ep,
+        slots_per_rank=slots,
+        weights={k: int(v) for k, v in sorted(w.items())},
+        host_per_rank=host_per_rank,
+        host_per_node=host_per_rank * tp * dp,
+        overheads={k: float(v) for k, v in over.items()},
+        max_model_len=int(parsed.get("max_model_len") or 0),
+    )
+    util = float(parsed.get("gpu_memory_utilization") or 0.9)
+    p.budget = int(total * util)
+    p.kv_bytes = int(p.budget - p.weights_total - sum(over.values()))
+    p.kv_tokens = max(0, int(p.kv_bytes / ov.kv_bytes_per_token))
+    if p.kv_bytes <= 0:
+        p.why = (
+            f"weights {p.weights_total / GIB:.2f} GiB + overheads "
+            f"{sum(over.values()) / GIB:.2f} GiB exceed {util:g} x {total / GIB:.2f} GiB "
+            f"by {-p.kv_bytes / GIB:.2f} GiB per GPU"
+        )
+    elif p.max_model_len and p.kv_tokens < p.max_model_len:
+        p.why = (
+            f"KV cache holds {p.kv_tokens:,} tokens per GPU, fewer than max-model-len "
+            f"{p.max_model_len:,}: vLLM refuses to start"
+        )
+    p.fits = not p.why
+    return p
