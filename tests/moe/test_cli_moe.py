@@ -75,3 +75,17 @@ def test_patches_export_writes_patches_pr_text_and_evidence(tmp_path):
     ]
     r = cli("patches", "export", str(out))
     assert r.returncode == 2 and "not empty" in r.stderr
+
+
+def test_kernels_build_dry_run_prepares_the_patched_module(installed_fi, tmp_path):
+    env = {
+        "VLLM_H20_CACHE_DIR": str(tmp_path / "c"),
+        "FLASHINFER_WORKSPACE_BASE": str(tmp_path / "w"),
+    }
+    r = cli("kernels", "build", "--dry-run", "--variant", "generic", **env)
+    assert r.returncode == 0, r.stderr
+    assert "would build fused_moe_90_vllm_h20_" in r.stderr
+    assert "3 of them from patched sources" in r.stderr
+    assert str(tmp_path / "c" / "flashinfer" / installed_fi.version) in r.stderr
+    ninja = list((tmp_path / "w").rglob("fused_moe_90_vllm_h20_*/build.ninja"))
+    assert len(ninja) == 1 and not list(ninja[0].parent.glob("*.o"))

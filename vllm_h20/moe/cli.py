@@ -126,7 +126,12 @@ def status(as_json: bool) -> None:
     help="FLASHINFER_CUDA_ARCH_LIST for the build. Default: the GPU's, or 9.0a without a GPU.",
 )
 @click.option("--log", type=click.Path(path_type=Path), default=None, help="Write ninja's log.")
-def build(jobs: int | None, variant: str, arch: str | None, log: Path | None) -> None:
+@click.option(
+    "--dry-run", is_flag=True, help="Prepare the patched sources and ninja file; compile nothing."
+)
+def build(
+    jobs: int | None, variant: str, arch: str | None, log: Path | None, dry_run: bool
+) -> None:
     """Build the patched SM90 fused-MoE module into FlashInfer's JIT cache.
 
     The module is FlashInfer's own (same sources, flags and ninja file), compiled from the
@@ -145,9 +150,14 @@ def build(jobs: int | None, variant: str, arch: str | None, log: Path | None) ->
         _fail(str(e))
     console = make_console(stderr=True)
     console.print(
-        f"building [bold]{plan.module}[/] ({len(plan.objects)} objects, -j {jobs})\n"
-        f"  patched sources: {ov.root}\n  build dir:       {plan.build_dir}"
+        f"{'would build' if dry_run else 'building'} [bold]{plan.module}[/] "
+        f"({len(plan.objects)} objects, {len(plan.touched)} of them from patched sources, "
+        f"-j {jobs})\n  patched sources: {ov.root}\n  build dir:       {plan.build_dir}\n"
+        f"  module:          {plan.library}"
+        + (" (already built)" if Path(plan.library).exists() else "")
     )
+    if dry_run:
+        return
     t0 = time.monotonic()
     from filelock import FileLock
 
