@@ -58,12 +58,15 @@ def find_cuda_home() -> str | None:
         return None
     try:
         out = subprocess.run(
-            [nvcc, "--dryrun", "--version"], capture_output=True, text=True, timeout=30
+            [nvcc, "--dryrun", "-x", "cu", "-c", os.devnull, "-o", os.devnull],
+            capture_output=True,
+            text=True,
+            timeout=30,
         )
     except (OSError, subprocess.TimeoutExpired):
         return None
     m = re.search(r"^#\$ TOP=(.+)$", out.stdout + out.stderr, re.M)
-    return str(Path(m.group(1).strip()).resolve().parent) if m else None
+    return str(Path(m.group(1).strip()).resolve()) if m else None  # TOP is <toolkit>/bin/..
 
 
 def find_cublas_include(cuda_home: str | None) -> str | None:

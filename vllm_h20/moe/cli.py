@@ -305,6 +305,7 @@ def _compile_touched(src, import_root, workdir: Path, jobs, quiet: bool) -> dict
 
         try:
             b.run_ninja(plan, targets, jobs, env, on_status, log=log)
+            bar.update(task, completed=len(targets), current="")  # also when all up to date
         except b.BuildError as e:
             problems.append(str(e))
     seconds = b.build_seconds(plan)
@@ -317,6 +318,17 @@ def _compile_touched(src, import_root, workdir: Path, jobs, quiet: bool) -> dict
         }
         for source in plan.touched
     ]
+    if not problems:
+        # ninja occasionally records no dependencies for an object (seen once with two nvcc
+        # jobs in parallel); rebuild such an object alone so the header check has its list.
+        for source in plan.touched:
+            obj = plan.objects[source]
+            if not b.headers_used(plan, obj):
+                Path(obj).unlink(missing_ok=True)
+                try:
+                    b.run_ninja(plan, [obj], 1, env, log=log)
+                except b.BuildError as e:
+                    problems.append(str(e))
     if not problems:
         problems += b.wrong_headers(plan, ov, src.csrc_dir.resolve())
     return {"ok": not problems, "module": plan.module, "objects": objects, "problems": problems}
