@@ -146,3 +146,12 @@ def test_vllm_loads_the_plugin_and_flashinfer_builds_from_the_overlay(installed_
 
     res, log = _vllm_result(VLLM_PLUGINS="some_other_plugin", **env)
     assert not res["wrapped"] and "vllm-h20" not in log
+
+
+def test_missing_patches_warn_and_keep_flashinfer_stock(installed_fi, monkeypatch, tmp_path):
+    from vllm_h20.moe import overlay
+
+    monkeypatch.setattr(overlay, "patches_dir", lambda: tmp_path / "nowhere")
+    monkeypatch.setattr(dispatch, "shipped_patches", overlay.shipped_patches)
+    d = dispatch.decide({}, src=installed_fi)
+    assert not d.overlay and d.warn and "no flashinfer patches found" in d.message

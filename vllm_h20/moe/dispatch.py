@@ -25,7 +25,7 @@ from .overlay import (
     patched_spec,
     shipped_patches,
 )
-from .patchfile import Patch
+from .patchfile import Patch, PatchError
 
 ENV = "VLLM_H20_MOE_DISPATCH"
 MODES = ("per_expert", "stock")
@@ -70,8 +70,12 @@ def decide(
         src = src or flashinfer_src.installed()
     except flashinfer_src.FlashInferNotFound as e:
         return Decision(mode, False, f"MoE dispatch: nothing to fix, {e}")
-    patches = tuple(patches if patches is not None else shipped_patches())
-    a = assess(src, patches)
+    try:
+        patches = tuple(patches if patches is not None else shipped_patches())
+        a = assess(src, patches)
+    except (PatchError, OSError) as e:
+        # A broken install must not take vLLM down: say so and run FlashInfer as it is.
+        return Decision(mode, False, f"MoE dispatch: STOCK (fix not applied): {e}", warn=True)
     where = f"FlashInfer {src.version}"
     if a.state is FixState.NEEDS_PATCH:
         ov = overlay_for(src, patches)
