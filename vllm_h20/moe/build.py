@@ -37,7 +37,6 @@ class BuildPlan:
     ninja_file: str
     library: str
     objects: dict[str, str]  # source path -> object path
-    include_dirs: list[str]
     touched: list[str]  # sources whose include closure reaches a patched file
 
     def to_json(self) -> str:
@@ -187,7 +186,6 @@ def plan(variant: str = "auto", cache: Path | None = None) -> tuple[BuildPlan, O
             ninja_file=str(spec.ninja_path),
             library=str(spec.jit_library_path),
             objects=objects,
-            include_dirs=[str(d) for d in includes],
             touched=touched,
         ),
         overlay,

@@ -264,7 +264,7 @@ def check(fi_path, do_compile, jobs, workdir, as_json) -> None:
     }
     ok = a.state in (overlay.FixState.NEEDS_PATCH, overlay.FixState.HAS_FIX)
     if do_compile and a.state is overlay.FixState.NEEDS_PATCH:
-        result["compile"] = _compile_touched(src, import_root, workdir, jobs, as_json)
+        result["compile"] = _compile_touched(src, ps, import_root, workdir, jobs, as_json)
         ok = ok and result["compile"]["ok"]
     if as_json:
         click.echo(json.dumps(result, indent=2))
@@ -280,16 +280,16 @@ def check(fi_path, do_compile, jobs, workdir, as_json) -> None:
     sys.exit(0 if ok else EXIT_CHECK_FAILED)
 
 
-def _compile_touched(src, import_root, workdir: Path, jobs, quiet: bool) -> dict:
+def _compile_touched(src, ps, import_root, workdir: Path, jobs, quiet: bool) -> dict:
     from . import build as b
 
-    tag = f"{src.version}-{overlay.overlay_key(src, overlay.shipped_patches())[:8]}"
+    ov = overlay.overlay_for(src, ps, workdir / "overlay")
+    tag = f"{src.version}-{ov.key[:8]}"
     env = b.jit_env(workspace=workdir / "jit" / tag, arch="9.0a", cache=workdir / "overlay")
     try:
         plan = b.plan_in_subprocess(import_root, env)
     except b.BuildError as e:
         return {"ok": False, "problems": [str(e)], "objects": []}
-    ov = overlay.overlay_for(src, overlay.shipped_patches(), workdir / "overlay")
     if not plan.touched:
         return {"ok": False, "problems": ["no source includes a patched file"], "objects": []}
     jobs = jobs or min(len(plan.touched), os.cpu_count() or 1)

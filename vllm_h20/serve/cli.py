@@ -56,14 +56,14 @@ _gpu_opt = click.option(
 )
 
 
-def _plan(file: str, model: Path, gpu: str):
+def _plan(r, res, model: Path, gpu: str):
+    """The plan for a recipe already checked (`_checked`: vLLM's parser runs once)."""
     from . import plan as plan_mod
 
-    r, res = _checked(file)
     if not model.is_dir():
         _fail(f"{model}: not a directory; --model is the (converted) checkpoint directory")
     try:
-        return r, res, plan_mod.plan(r, res.parsed, model, gpu)
+        return plan_mod.plan(r, res.parsed, model, gpu)
     except (RecipeError, ValueError) as e:
         _fail(str(e))
 
@@ -104,7 +104,7 @@ def plan_cmd(file, model, gpu, as_json) -> None:
     cache in GiB and tokens, concurrent requests per context, pinned host memory.
 
     Exit 0 when it fits, 1 when it does not (the numbers say by how much)."""
-    _r, _res, p = _plan(file, model, gpu)
+    p = _plan(*_checked(file), model, gpu)
     if as_json:
         click.echo(json.dumps(p.to_json(), indent=2))
     else:
@@ -139,7 +139,7 @@ def serve(file, model, gpu, dry_run, force, extra) -> None:
     model = model or (Path(r.flags["model"]) if "model" in r.flags else None)
     if model is None:
         _fail(f"{r.path}: no model: pass --model DIR or set `model:` in the recipe")
-    _r, _res, p = _plan(file, model, gpu)
+    p = _plan(r, res, model, gpu)
     _print_plan(p)
     if not p.fits and not force:
         _fail(f"will not fit: {p.why} (see the plan above; --force starts anyway)",
