@@ -44,6 +44,8 @@ def test_plan_and_serve_dry_run(tiny_fp8, write_recipe):
     assert r.returncode == 2 and r.stderr.startswith(f"error: {bad}:1: enable-eplb needs")
     r = cli("serve", "deepseek-v41-flash-fp8-tp8ep8", "--dry-run")
     assert r.returncode == 2 and "pass --model DIR" in r.stderr
+    r = cli("plan", "deepseek-v41-flash-fp8-tp8ep8", "--model", str(tiny_fp8.parent / "nope"))
+    assert r.returncode == 2 and "nope: not a directory" in r.stderr
 
 
 def test_dockerfile_passes_hadolint():
