@@ -34,6 +34,7 @@ def test_plugin_entry_point_and_patches_are_declared():
     assert cfg["package-dir"]["vllm_h20.patches"] == "patches"
     assert "flashinfer/*.patch" in cfg["package-data"]["vllm_h20.patches"]
     assert cfg["package-dir"]["vllm_h20.recipes"] == "recipes"
+    assert cfg["package-dir"]["vllm_h20.sweeps"] == "benchmarks/sweeps"
 
 
 @pytest.mark.slow
@@ -58,5 +59,7 @@ def test_wheel_ships_rules_patches_and_the_plugin(tmp_path):
     assert "vllm_h20/rules/deepseek_v41_flash.yaml" in names
     assert "vllm_h20/plugin.py" in names
     assert "vllm_h20/recipes/deepseek-v41-flash-fp8-tp8ep8.yaml" in names
+    assert {"vllm_h20/sweeps/decode.yaml", "vllm_h20/sweeps/prefill.yaml"} <= set(names)
+    assert "vllm_h20/bench/sweep.py" in names
     ep = next(n for n in names if n.endswith("entry_points.txt"))
     assert "vllm_h20 = vllm_h20.plugin:register" in zipfile.ZipFile(wheel).read(ep).decode()

@@ -287,6 +287,7 @@ def demo(workdir, spread):
 
 
 def _register_subgroups() -> None:
+    from .bench.cli import bench
     from .moe.cli import kernels, patches
     from .serve.cli import plan_cmd, recipe, serve
 
@@ -295,6 +296,7 @@ def _register_subgroups() -> None:
     main.add_command(recipe)
     main.add_command(plan_cmd)
     main.add_command(serve)
+    main.add_command(bench)
 
 
 _register_subgroups()

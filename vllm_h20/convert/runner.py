@@ -21,6 +21,7 @@ from rich.console import Console
 from rich.progress import Progress
 
 from .. import __version__
+from .._io import write_json_atomic
 from ..console import byte_progress, make_console
 from . import report as report_mod
 from .blockscale import Stats
@@ -59,15 +60,6 @@ def _fingerprint(plan: Plan, rules: RuleSet, opts: Options) -> dict:
             for s, h in plan.headers.items()
         },
     }
-
-
-def _write_json_atomic(path: Path, doc: dict) -> None:
-    tmp = path.with_name(f".{path.name}.partial")
-    with open(tmp, "w") as f:
-        json.dump(doc, f, indent=2)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 def _outputs(plan: Plan) -> list[str]:
@@ -115,7 +107,7 @@ def _prepare_dst(dst: Path, plan: Plan, fp: dict, opts: Options) -> dict:
     for p in dst.glob(".*.partial"):
         p.unlink()
     manifest["complete"] = False
-    _write_json_atomic(mpath, manifest)
+    write_json_atomic(mpath, manifest)
     return manifest
 
 
@@ -171,7 +163,7 @@ def _finish(dst: Path, plan: Plan, rules: RuleSet, manifest: dict, seconds: floa
     weight_map = {t.name: s.name for s in plan.shards for t in s.tensors}
     total = sum(t.nbytes for s in plan.shards for t in s.tensors)
     index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
-    _write_json_atomic(dst / INDEX, index)
+    write_json_atomic(dst / INDEX, index)
 
     groups = report_mod.merge_groups(
         [{g: Stats.from_json(v) for g, v in d["groups"].items()} for d in manifest["done"].values()]
@@ -194,7 +186,7 @@ def _finish(dst: Path, plan: Plan, rules: RuleSet, manifest: dict, seconds: floa
     )
     report_mod.write(dst, doc)
     manifest["complete"] = True
-    _write_json_atomic(dst / STATE_DIR / MANIFEST, manifest)
+    write_json_atomic(dst / STATE_DIR / MANIFEST, manifest)
     return doc
 
 
@@ -256,7 +248,7 @@ def _run_pool(src, dst, plan, todo, manifest, band, opts, total_in, console) -> 
                         "bytes": res.bytes_out,
                         "groups": {g: s.to_json() for g, s in res.groups.items()},
                     }
-                    _write_json_atomic(mpath, manifest)
+                    write_json_atomic(mpath, manifest)
             _drain(q, progress, task)
         except BaseException:
             for f in pending:

@@ -1,0 +1,186 @@
+"""`vllm-h20 bench sweep` end to end against GuideLLM's mock server, and every refusal."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from tests.bench.conftest import RATES, TINY_SPEC, cli, free_port
+from vllm_h20.bench import spec as spec_mod
+from vllm_h20.bench.sweep import prepare, sweep
+from vllm_h20.bench.targets import parse_targets
+
+
+@pytest.mark.slow
+def test_interrupt_keeps_finished_runs_and_resume_completes(finished_sweep):
+    out, intr, res = finished_sweep["out"], finished_sweep["interrupted"], finished_sweep["resumed"]
+    assert intr["rc"] == 130, intr["stderr"]
+    assert "rerun with --resume" in intr["stderr"]
+    assert intr["files"] == ["c1-r0.json", "sweep.json"]  # the run in flight left nothing
+    assert res.returncode == 0, res.stderr
+    assert "resuming: 1 of 8 runs already finished" in res.stderr
+    assert (out / "runs/a/c1-r0.json").read_bytes() == intr["first"]
+    recs = [json.loads(p.read_text()) for p in sorted(out.glob("runs/*/c*-r*.json"))]
+    assert len(recs) == 8 and all(r["status"] == "ok" for r in recs)
+    assert {(r["target"], r["concurrency"], r["run"]) for r in recs} == {
+        (t, c, r) for t in "ab" for c in (1, 2) for r in (0, 1)
+    }
+    for p in out.glob("runs/*/c*-r*.json"):
+        assert p.with_name(p.stem + ".guidellm.json.gz").is_file()
+        assert p.with_name(p.stem + ".log").is_file()
+
+
+@pytest.mark.slow
+def test_runs_hold_server_counters_over_guidellm_window(finished_sweep):
+    for p in sorted(finished_sweep["out"].glob("runs/*/c*-r*.json")):
+        r = json.loads(p.read_text())
+        gl, srv = r["guidellm"], r["server"]
+        w0, w1 = gl["window"]["start"], gl["window"]["end"]
+        assert w1 - w0 == pytest.approx(1.0, abs=0.15)  # measure_s, warmup excluded
+        assert w0 <= srv["t0"] < srv["t1"] <= w1
+        assert r["throughput"] == srv["output_tok_s"]
+        assert srv["output_tok_s"] == pytest.approx(RATES[r["target"]], rel=0.1)
+        assert srv["input_tok_s"] == pytest.approx(4 * RATES[r["target"]], rel=0.1)
+        assert srv["prefix_cache_hits"] == 0
+        assert gl["requests"]["successful"] > 0 and gl["requests"]["errored"] == 0
+        assert gl["output_tokens_per_request"] == 16
+        assert gl["ttft_ms"]["p50"] > 0 and gl["itl_ms"]["p99"] > 0
+        assert r["seed"] == spec_mod.load(finished_sweep["spec"]).run_seed(
+            r["concurrency"], r["run"]
+        )
+
+
+@pytest.mark.slow
+def test_a_server_that_goes_away_fails_its_run_and_resume_retries_it(
+    mock_servers, tokenizer_dir, tmp_path
+):
+    spec = tmp_path / "one.yaml"
+    spec.write_text(TINY_SPEC.replace("concurrency: [1, 2]", "concurrency: [2]").replace(
+        "runs: 2", "runs: 1"))  # fmt: skip
+    a = mock_servers("tiny-model", "--itl-ms", "2")
+    b = mock_servers("tiny-model", "--itl-ms", "2")
+    s = spec_mod.load(spec)
+    ts = parse_targets((f"a={a.url}", f"b={b.url}"))
+
+    def kill_b(key, rec):
+        if key.target == "a" and rec is not None:
+            b.stop()
+
+    res = sweep(tmp_path / "out", s, ts, tokenizer_dir, "guidellm", on_run=kill_b)
+    assert res.ok == 1 and [f["target"] for f in res.failed] == ["b"]
+    assert "cannot reach" in res.failed[0]["error"] and b.url in res.failed[0]["error"]
+    rec = json.loads((tmp_path / "out/runs/b/c2-r0.json").read_text())
+    assert rec["status"] == "error"
+
+    mock_servers("tiny-model", "--itl-ms", "2", port=b.port)
+    res = sweep(tmp_path / "out", s, ts, tokenizer_dir, "guidellm", resume=True)
+    assert (res.skipped, res.ok, res.failed) == (1, 1, [])
+    rec = json.loads((tmp_path / "out/runs/b/c2-r0.json").read_text())
+    assert rec["status"] == "ok" and rec["throughput_source"] == "guidellm"
+
+
+def _sweep_cli(spec, tok, out, *targets, extra=()):
+    args = ["bench", "sweep", str(spec), "--out", str(out)]
+    for t in targets:
+        args += ["--target", t]
+    if tok is not None:
+        args += ["--tokenizer", str(tok)]
+    return cli(*args, *extra, timeout=120)
+
+
+def _one_line_error(res, *needles):
+    assert res.returncode == 2, (res.stdout, res.stderr)
+    last = res.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: ") and "Traceback" not in res.stderr
+    for n in needles:
+        assert n in last, last
+
+
+def test_unreachable_target_is_one_line(tiny_spec, tokenizer_dir, tmp_path):
+    url = f"http://127.0.0.1:{free_port()}"
+    res = _sweep_cli(tiny_spec, tokenizer_dir, tmp_path / "o", f"x={url}")
+    _one_line_error(res, "target x", "cannot reach", "is the server up?")
+    assert not (tmp_path / "o").exists()
+
+
+def test_server_without_metrics_says_what_to_do(mock_pair, tiny_spec, tokenizer_dir, tmp_path):
+    res = _sweep_cli(tiny_spec, tokenizer_dir, tmp_path / "o", f"a={mock_pair[0].url}")
+    _one_line_error(res, "target a", "HTTP 404", "--throughput-source guidellm")
+
+
+@pytest.mark.parametrize(
+    "target, needle",
+    [
+        ("nourl", "expected NAME=URL"),
+        ("a=ftp://x", "must start with http"),
+        ("=http://x", "NAME=URL"),
+    ],
+)
+def test_bad_target_syntax(tiny_spec, tokenizer_dir, tmp_path, target, needle):
+    _one_line_error(_sweep_cli(tiny_spec, tokenizer_dir, tmp_path / "o", target), needle)
+
+
+def test_bad_spec_and_duplicate_target_names(mock_pair, tiny_spec, tokenizer_dir, tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(TINY_SPEC.replace("runs: 2", "rnus: 2"))
+    _one_line_error(_sweep_cli(bad, tokenizer_dir, tmp_path / "o", f"a={mock_pair[0].url}"),
+                    str(bad), "did you mean `runs`")  # fmt: skip
+    u = mock_pair[0].url
+    _one_line_error(_sweep_cli(tiny_spec, tokenizer_dir, tmp_path / "o", f"a={u}", f"a={u}"),
+                    "used twice")  # fmt: skip
+
+
+def test_tokenizer_is_required_offline(mock_pair, tiny_spec, tmp_path):
+    u = mock_pair[0].url
+    res = _sweep_cli(tiny_spec, None, tmp_path / "o", f"a={u}")
+    _one_line_error(res, "no tokenizer", "--tokenizer DIR")
+    res = _sweep_cli(tiny_spec, tmp_path, tmp_path / "o", f"a={u}")
+    _one_line_error(res, f"--tokenizer {tmp_path}", "no tokenizer.json")
+
+
+def test_refuses_to_mix_specs_models_tokenizers(mock_pair, tiny_spec, tokenizer_dir, tmp_path):
+    u = mock_pair[0].url
+    out = tmp_path / "out"
+    ts = parse_targets((f"a={u}",))
+    prepare(out, spec_mod.load(tiny_spec), ts, tokenizer_dir, "guidellm", resume=False)
+    g = ("--throughput-source", "guidellm")
+    _one_line_error(_sweep_cli(tiny_spec, tokenizer_dir, out, f"a={u}", extra=g),
+                    "already holds a sweep", "--resume")  # fmt: skip
+    other = tmp_path / "other.yaml"
+    other.write_text(TINY_SPEC.replace("measure_s: 1.0", "measure_s: 2.0"))
+    _one_line_error(_sweep_cli(other, tokenizer_dir, out, f"a={u}", extra=(*g, "--resume")),
+                    "another spec")  # fmt: skip
+    tok2 = tmp_path / "tok2"
+    shutil.copytree(tokenizer_dir, tok2)
+    (tok2 / "tokenizer_config.json").write_text('{"eos_token": "x"}')
+    _one_line_error(_sweep_cli(tiny_spec, tok2, out, f"a={u}", extra=(*g, "--resume")),
+                    "another tokenizer")  # fmt: skip
+    man = json.loads((out / "sweep.json").read_text())
+    man["targets"]["a"]["model"] = "some-other-model"
+    (out / "sweep.json").write_text(json.dumps(man))
+    _one_line_error(_sweep_cli(tiny_spec, tokenizer_dir, out, f"a={u}", extra=(*g, "--resume")),
+                    "served `some-other-model` there, now `tiny-model`")  # fmt: skip
+    stray = tmp_path / "stray"
+    stray.mkdir()
+    (stray / "notes.txt").write_text("mine")
+    _one_line_error(_sweep_cli(tiny_spec, tokenizer_dir, stray, f"a={u}", extra=g),
+                    "not a sweep directory")  # fmt: skip
+    assert (stray / "notes.txt").read_text() == "mine"
+
+
+def test_command_line_is_guidellm_s(tiny_spec, tmp_path):
+    from vllm_h20.bench.guidellm_run import RunArgs, command
+
+    cmd = command(
+        spec_mod.load(tiny_spec), RunArgs("http://h:1", "m", 8, 5, Path("/t"), Path("/o.json"))
+    )
+    line = " ".join(cmd[1:])
+    assert line.startswith("-m guidellm run --backend kind=openai_http,target=http://h:1,model=m,")
+    assert "extras.body.temperature=0.7" in line
+    assert "--profile kind=concurrent,streams=8,warmup.value=0.5,warmup.mode=duration" in line
+    assert "--constraint kind=max_duration,seconds=1.5" in line
+    assert "--data kind=synthetic_text,prompt_tokens=24,output_tokens=16" in line
+    assert "--seed kind=static,value=5" in line

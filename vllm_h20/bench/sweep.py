@@ -1,0 +1,300 @@
+"""`vllm-h20 bench sweep`: every target x tier x run of a spec, one GuideLLM run each.
+
+Layout of the output directory (each run file is written once, complete, when its run ends;
+`--resume` skips runs whose file says `ok`):
+
+    sweep.json                               spec, tokenizer, targets and served models
+    runs/<target>/c<conc>-r<run>.json        our summary: server counters + GuideLLM numbers
+    runs/<target>/c<conc>-r<run>.guidellm.json.gz   GuideLLM's full report
+    runs/<target>/c<conc>-r<run>.log         GuideLLM's console output
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import shutil
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from .. import __version__
+from .._io import write_json_atomic
+from . import counters
+from .guidellm_run import RunArgs, command, run, summarize
+from .spec import SweepSpec, fingerprint
+from .targets import Target, TargetError, served, tokenizer_fingerprint
+
+MANIFEST = "sweep.json"
+SOURCES = ("server", "guidellm")
+
+
+class SweepError(ValueError):
+    """A sweep that must not start (or continue) as asked; nothing has been written."""
+
+
+@dataclass(frozen=True)
+class RunKey:
+    target: str
+    concurrency: int
+    run: int
+
+    @property
+    def stem(self) -> str:
+        return f"c{self.concurrency}-r{self.run}"
+
+    def label(self, runs: int) -> str:
+        return f"{self.target} c{self.concurrency} run {self.run + 1}/{runs}"
+
+
+def plan(spec: SweepSpec, targets: list[Target]) -> list[RunKey]:
+    """Run-major, then tier, then target: a drift in time hits every target alike."""
+    return [
+        RunKey(t.name, c, r) for r in range(spec.runs) for c in spec.concurrency for t in targets
+    ]
+
+
+def run_path(out: Path, key: RunKey) -> Path:
+    return out / "runs" / key.target / f"{key.stem}.json"
+
+
+def read_run(path: Path) -> dict[str, Any] | None:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def manifest(
+    spec: SweepSpec, tokenizer: Path, targets: list[Target], models: dict[str, str], source: str
+) -> dict[str, Any]:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        gl = version("guidellm")
+    except PackageNotFoundError:
+        gl = None
+    return {
+        "spec": {**spec.as_dict(), "fingerprint": fingerprint(spec)},
+        "tokenizer": {"path": str(tokenizer), "fingerprint": tokenizer_fingerprint(tokenizer)},
+        "targets": {
+            t.name: {"url": t.url, "metrics_url": t.metrics_url, "model": models[t.name]}
+            for t in targets
+        },
+        "throughput_source": source,
+        "versions": {"vllm_h20": __version__, "guidellm": gl},
+        "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+    }
+
+
+def check_compatible(old: dict[str, Any], new: dict[str, Any], where: Path) -> None:
+    """Refuse to mix runs measured with another method, model or tokenizer."""
+    if old["spec"]["fingerprint"] != new["spec"]["fingerprint"]:
+        raise SweepError(
+            f"{where}: was measured with another spec ({old['spec'].get('path')}); results "
+            "with different methods do not mix: choose another --out"
+        )
+    if old["tokenizer"]["fingerprint"] != new["tokenizer"]["fingerprint"]:
+        raise SweepError(
+            f"{where}: was measured with another tokenizer ({old['tokenizer']['path']}); "
+            "choose another --out or pass that --tokenizer"
+        )
+    if old.get("throughput_source") != new["throughput_source"]:
+        raise SweepError(
+            f"{where}: used --throughput-source {old.get('throughput_source')}; pass the same"
+        )
+    for name, t in new["targets"].items():
+        prev = old["targets"].get(name)
+        if prev and prev["model"] != t["model"]:
+            raise SweepError(
+                f"{where}: target {name} served `{prev['model']}` there, now `{t['model']}`; "
+                "name the new deployment differently or choose another --out"
+            )
+
+
+def prepare(
+    out: Path,
+    spec: SweepSpec,
+    targets: list[Target],
+    tokenizer: Path,
+    source: str,
+    resume: bool,
+) -> dict[str, Any]:
+    """Check every target answers and the output directory fits; write sweep.json."""
+    models = {t.name: served(t).model for t in targets}
+    if source == "server":
+        for t in targets:
+            try:
+                counters.scrape(t.metrics_url)
+            except counters.CountersError as e:
+                raise TargetError(
+                    f"target {t.name}: {e}; pass --metrics-url {t.name}=URL if the metrics are "
+                    "elsewhere, or --throughput-source guidellm for client-side counts"
+                ) from None
+    new = manifest(spec, tokenizer, targets, models, source)
+    mpath = out / MANIFEST
+    if mpath.exists():
+        if not resume:
+            raise SweepError(
+                f"{out}: already holds a sweep; pass --resume to continue it, "
+                "or choose another --out"
+            )
+        old = read_run(mpath)
+        if old is None:
+            raise SweepError(f"{mpath}: unreadable; move it away or choose another --out")
+        check_compatible(old, new, out)
+        old["targets"].update(new["targets"])
+        new = {**old, "targets": old["targets"]}
+    elif out.exists() and any(out.iterdir()):
+        raise SweepError(f"{out}: exists and is not a sweep directory; choose another --out")
+    out.mkdir(parents=True, exist_ok=True)
+    write_json_atomic(mpath, new)
+    return new
+
+
+def pending(out: Path, keys: list[RunKey]) -> Iterator[RunKey]:
+    for k in keys:
+        doc = read_run(run_path(out, k))
+        if not doc or doc.get("status") != "ok":
+            yield k
+
+
+def measure(
+    out: Path,
+    spec: SweepSpec,
+    target: Target,
+    model: str,
+    key: RunKey,
+    tokenizer: Path,
+    source: str,
+    scrape_interval: float = 0.5,
+) -> dict[str, Any]:
+    """One run; returns the record written to its run file (status ok or error)."""
+    path = run_path(out, key)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    raw = path.with_name(f"{key.stem}.guidellm.json")
+    log = path.with_name(f"{key.stem}.log")
+    args = RunArgs(target.url, model, key.concurrency, spec.run_seed(key.concurrency, key.run),
+                   tokenizer, raw)  # fmt: skip
+    cmd = command(spec, args)
+    rec: dict[str, Any] = {
+        "status": "error",
+        "error": None,
+        "target": target.name,
+        "url": target.url,
+        "model": model,
+        "concurrency": key.concurrency,
+        "run": key.run,
+        "seed": args.seed,
+        "spec": spec.name,
+        "throughput_source": source,
+        "started": time.time(),
+        "command": cmd[1:],
+    }
+
+    def done(error: str | None = None) -> dict[str, Any]:
+        rec["status"] = "error" if error else "ok"
+        rec["error"] = error
+        rec["finished"] = time.time()
+        write_json_atomic(path, rec)
+        return rec
+
+    try:
+        now = served(target)
+    except TargetError as e:
+        return done(str(e))
+    if now.model != model:
+        return done(
+            f"target {target.name} now serves `{now.model}`, the sweep began with `{model}`"
+        )
+    raw.unlink(missing_ok=True)
+    timeout = spec.warmup_s + spec.measure_s + 300
+    rec_ctx = counters.Recorder(target.metrics_url, scrape_interval) if source == "server" else None
+    if rec_ctx is not None:
+        with rec_ctx:
+            code, last = run(cmd, log, timeout)
+    else:
+        code, last = run(cmd, log, timeout)
+    if code != 0 or not raw.is_file():
+        return done(f"GuideLLM exited with code {code}: {last} (log: {log})")
+    try:
+        gl = summarize(raw)
+    except Exception as e:  # GuideLLM's own loader: any failure means an unusable report
+        return done(f"cannot read GuideLLM's report {raw}: {e}")
+    with open(raw, "rb") as src, gzip.open(raw.with_name(raw.name + ".gz"), "wb") as dst:
+        shutil.copyfileobj(src, dst)
+    raw.unlink()
+    rec["guidellm"] = gl
+    req = gl["requests"]
+    if not req["successful"]:
+        first = "; ".join(gl["errors"]) or "no request finished"
+        return done(f"no successful request ({req['errored']} errored): {first}")
+    w0, w1 = gl["window"]["start"], gl["window"]["end"]
+    rec["window_s"] = w1 - w0
+    if rec_ctx is not None:
+        try:
+            win = counters.window(rec_ctx.samples, w0, w1)
+        except counters.CountersError as e:
+            extra = f" (scrape errors: {rec_ctx.errors[0]})" if rec_ctx.errors else ""
+            return done(f"server counters: {e}{extra}")
+        rec["server"] = {
+            "t0": win.t0,
+            "t1": win.t1,
+            "seconds": win.seconds,
+            "delta": win.delta,
+            "input_tok_s": win.rate("prompt_tokens"),
+            "output_tok_s": win.rate("generation_tokens"),
+            "prefix_cache_hits": win.delta.get("prefix_cache_hits"),
+            "scrapes": len(rec_ctx.samples),
+            "scrape_errors": len(rec_ctx.errors),
+        }
+        rec["throughput"] = rec["server"][f"{spec.throughput}_tok_s"]
+    else:
+        rec["throughput"] = gl[f"{spec.throughput}_tok_s"]
+    return done(None)
+
+
+@dataclass
+class SweepResult:
+    total: int
+    skipped: int
+    ok: int
+    failed: list[dict[str, Any]]
+
+
+def sweep(
+    out: Path,
+    spec: SweepSpec,
+    targets: list[Target],
+    tokenizer: Path,
+    source: str = "server",
+    resume: bool = False,
+    on_run: Callable[[RunKey, dict[str, Any] | None], None] | None = None,
+    scrape_interval: float = 0.5,
+    on_plan: Callable[[int, int], None] | None = None,
+) -> SweepResult:
+    """Run what is missing; `on_plan(total, to_run)` once, then `on_run(key, None)` before
+    and `on_run(key, record)` after each run."""
+    if source not in SOURCES:
+        raise SweepError(f"--throughput-source {source}: expected one of {SOURCES}")
+    man = prepare(out, spec, targets, tokenizer, source, resume)
+    keys = plan(spec, targets)
+    todo = list(pending(out, keys))
+    by_name = {t.name: t for t in targets}
+    res = SweepResult(total=len(keys), skipped=len(keys) - len(todo), ok=0, failed=[])
+    if on_plan:
+        on_plan(len(keys), len(todo))
+    for k in todo:
+        if on_run:
+            on_run(k, None)
+        model = man["targets"][k.target]["model"]
+        rec = measure(out, spec, by_name[k.target], model, k, tokenizer, source, scrape_interval)
+        if rec["status"] == "ok":
+            res.ok += 1
+        else:
+            res.failed.append(rec)
+        if on_run:
+            on_run(k, rec)
+    return res
