@@ -1,0 +1,320 @@
+"""EP with concurrent ranks: one process per GPU, each computing its own EP8 rank's 50 local
+experts at the same time as the others, then the combine (finalize + NCCL all-reduce).
+
+    python benchmarks/moe_dispatch/ep.py --flashinfer .fi/flashinfer-0.7.2.post1-src.tar.xz \
+        --out $OUT                      # every visible GPU: 8 on an 8-GPU host = real EP8
+
+With fewer than 8 GPUs the first N ranks of the EP8 layout run concurrently (the rest are
+not simulated) and the result says so; the method is the 8-GPU one.
+
+1. builds FlashInfer's fp8_blockscale_gemm.cu stock and patched (run.py's builder) and
+   compiles every DeepGEMM kernel the cases launch, before any timing;
+2. per rank and case: FC1 + FC2 through CutlassFp8BlockScaleGemmRunner (the grouped GEMMs the
+   fused MoE issues) checked against an fp32 reference, then the combine: the rank's FC2 rows
+   scattered back to their tokens with routing weights and all-reduced over all ranks,
+   checked against the all-reduced fp32 reference;
+3. times, per sample (5 warm-ups, 24 samples, all ranks released by one barrier): MoE compute
+   = the rank's FC1 + FC2 CUDA graph; layer = compute + finalize + all-reduce. Reported like
+   the seed: median over samples of the slowest rank's compute; the combine is what the
+   layer adds after the slowest rank's compute (the all-reduce waits for it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures as cf
+import json
+import os
+import platform
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+import cases  # noqa: E402
+import run as single  # noqa: E402
+
+from vllm_h20.moe.expected_m import per_expert_expected_m  # noqa: E402
+
+VARIANTS = ("stock", "patched")
+WARMUPS, SAMPLES = single.WARMUPS, single.SAMPLES
+
+
+def case_list(quick: bool) -> list[tuple[str, int]]:
+    tokens = (1, 288, 2048) if quick else cases.TOKENS
+    return [(r, t) for r in cases.ROUTINGS for t in tokens]
+
+
+def rows_of(slots: np.ndarray, rank: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The rank's routed rows in the MoE runner's layout (by local expert, then token):
+    per-expert counts, each row's token, each row's top-k position."""
+    tok, pos = np.nonzero((slots >= rank * cases.LOCAL) & (slots < (rank + 1) * cases.LOCAL))
+    expert = slots[tok, pos] - rank * cases.LOCAL
+    order = np.lexsort((tok, expert))
+    counts = np.bincount(expert, minlength=cases.LOCAL).astype(np.int64)
+    return counts, tok[order], pos[order]
+
+
+def slowest_median(per_rank: list[list[float]]) -> float:
+    """per_rank[rank][sample] -> median over samples of the slowest rank (the seed's statistic)."""
+    return statistics.median(max(col) for col in zip(*per_rank, strict=True))
+
+
+def exposed(layer: list[list[float]], compute: list[list[float]]) -> float:
+    """Median over samples of (slowest rank's layer time - slowest rank's compute time)."""
+    return statistics.median(
+        max(lc) - max(cc)
+        for lc, cc in zip(zip(*layer, strict=True), zip(*compute, strict=True), strict=True)
+    )
+
+
+def warm_jobs() -> list[tuple[str, int, int, int]]:
+    """(variant, shape index, num_rows, expected_m) for every DeepGEMM kernel the cases use."""
+    jobs = set()
+    for t in cases.TOKENS:
+        for si in range(len(cases.SHAPES)):
+            jobs.add(("stock", si, t, t))
+            jobs.add(("patched", si, t, per_expert_expected_m(t, cases.TOP_K, cases.LOCAL,
+                                                              cases.EP)))  # fmt: skip
+    return sorted(jobs)
+
+
+def _warm_child(args) -> int:
+    data, work, jobs = args
+    import torch
+
+    mods = {v: single.load_built(Path(work), v) for v in VARIANTS}
+    for m in mods.values():
+        m.set_include_dirs([str(Path(data) / "csrc" / "nv_internal" / "tensorrt_llm")])
+    for variant, si, num_rows, em in jobs:
+        s = cases.SHAPES[si]
+        rows = 4 * cases.LOCAL
+        a = torch.randn(rows, s.k, device="cuda").to(torch.bfloat16)
+        w = torch.randn(cases.LOCAL, s.n, s.k, device="cuda").to(torch.float8_e4m3fn)
+        sc = torch.ones(cases.LOCAL, s.n // 128, s.k // 128, device="cuda")
+        off = torch.tensor(cases.offsets(np.full(cases.LOCAL, 4)), device="cuda")
+        gg = mods[variant].GroupedGemm(num_rows, s.n, s.k, cases.TOP_K, cases.LOCAL, em)
+        ws = torch.empty(max(gg.workspace_bytes, 1), dtype=torch.uint8, device="cuda")
+        out = torch.empty(rows, s.n, dtype=torch.bfloat16, device="cuda")
+        gg.run(out, a, w, sc, off, ws)
+        torch.cuda.synchronize()
+    return len(jobs)
+
+
+def run_case(gpu, mods, routing: str, tokens: int, rank: int) -> dict:
+    """One routing/token case on this rank: check both builds, then time them interleaved."""
+    import torch
+    import torch.distributed as dist
+
+    fc2 = cases.SHAPES[1]
+    slots = cases.route(routing, tokens)
+    counts, tok, pos = rows_of(slots, rank)
+    gen = np.random.default_rng(tokens)  # the same routing weights on every rank
+    weights = gen.random((tokens, cases.TOP_K)).astype(np.float32)
+    weights /= weights.sum(1, keepdims=True)
+    row_tok = torch.tensor(tok, device="cuda", dtype=torch.long)
+    row_w = torch.tensor(weights[tok, pos], device="cuda").unsqueeze(1)
+    fixed = per_expert_expected_m(tokens, cases.TOP_K, cases.LOCAL, cases.EP)
+    rc = {
+        "stock": single.RankCase(gpu, mods["stock"], tokens, counts, tokens, seed=rank),
+        "patched": single.RankCase(gpu, mods["patched"], tokens, counts, fixed, seed=rank),
+    }
+    nrows = int(counts.sum())
+    outs = {v: torch.empty(tokens, fc2.n, dtype=torch.bfloat16, device="cuda") for v in rc}
+
+    def finalize(v: str) -> None:
+        """FlashInfer's finalize (rows -> tokens, routing-weighted), then the EP combine."""
+        out = outs[v]
+        out.zero_()
+        if nrows:
+            y = rc[v].out[fc2.name][:nrows].float() * row_w
+            out.index_add_(0, row_tok, y.to(out.dtype))
+        dist.all_reduce(out)
+
+    for v in rc:
+        rc[v]()
+    torch.cuda.synchronize()
+    errs = {v: rc[v].check() for v in rc}
+    combined = {}
+    for v in rc:
+        finalize(v)
+        combined[v] = outs[v].float().clone()
+    ref = torch.zeros(tokens, fc2.n, device="cuda")
+    if nrows:
+        r2 = gpu.reference(fc2, rc["stock"].a[fc2.name][:nrows], counts) * row_w
+        ref.index_add_(0, row_tok, r2)
+    dist.all_reduce(ref)
+    graphs = {v: single.graph_of(torch, rc[v]) for v in rc}
+    names = list(rc)
+    t = {v: {"compute": [], "layer": []} for v in names}
+    for k in range(WARMUPS + SAMPLES):
+        for j in range(len(names)):
+            v = names[(j + k) % len(names)]  # rotate which build goes first
+            e0, e1, e2 = (torch.cuda.Event(enable_timing=True) for _ in range(3))
+            dist.barrier()
+            torch.cuda.synchronize()
+            e0.record()
+            graphs[v].replay()
+            e1.record()
+            finalize(v)
+            e2.record()
+            torch.cuda.synchronize()
+            if k >= WARMUPS:
+                t[v]["compute"].append(e0.elapsed_time(e1) / 1e3)
+                t[v]["layer"].append(e0.elapsed_time(e2) / 1e3)
+    return {
+        "routing": routing, "tokens": tokens, "rank": rank, "rows": nrows,
+        "max_rows_per_expert": int(counts.max()),
+        "expected_m": {"stock": tokens, "patched": fixed}, "rel_err": errs,
+        "combined_rel_err": {v: single.rel(combined[v], ref) for v in rc},
+        "combined_agreement": single.rel(combined["patched"], combined["stock"]),
+        "times": t,
+    }  # fmt: skip
+
+
+def rank_main(rank: int, world: int, args, port: int, results: str) -> None:
+    import torch
+    import torch.distributed as dist
+
+    torch.cuda.set_device(rank)
+    torch.backends.cuda.matmul.allow_tf32 = False
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("nccl", rank=rank, world_size=world,
+                            device_id=torch.device("cuda", rank))  # fmt: skip
+    data = single.unpack_flashinfer(args.flashinfer, args.work)
+    mods = {v: single.load_built(args.work, v) for v in VARIANTS}
+    gpu = single.Gpu(mods, data, seed=rank)
+    rows_out = []
+    for routing, tokens in case_list(args.quick):
+        rows_out.append(run_case(gpu, mods, routing, tokens, rank))
+        torch.cuda.empty_cache()
+        if rank == 0:
+            r = rows_out[-1]["times"]
+            single.log(f"{routing:8s} {tokens:5d}: rank 0 compute stock "
+                       f"{statistics.median(r['stock']['compute']) * 1e3:.3f} ms, patched "
+                       f"{statistics.median(r['patched']['compute']) * 1e3:.3f} ms")  # fmt: skip
+    gathered = [None] * world if rank == 0 else None
+    dist.gather_object(rows_out, gathered, dst=0)
+    if rank == 0:  # a file, not a queue: a full pipe would block the child the parent joins
+        single.write_json(Path(results), gathered)
+    dist.destroy_process_group()
+
+
+def aggregate(per_rank: list[list[dict]], world: int) -> list[dict]:
+    rows = []
+    for i, first in enumerate(per_rank[0]):
+        rr = [per_rank[r][i] for r in range(world)]
+        row = {"routing": first["routing"], "tokens": first["tokens"],
+               "expected_m": first["expected_m"], "ranks": rr}  # fmt: skip
+        for v in VARIANTS:
+            comp = [x["times"][v]["compute"] for x in rr]
+            layer = [x["times"][v]["layer"] for x in rr]
+            row[f"{v}_compute_s"] = slowest_median(comp)
+            row[f"{v}_layer_s"] = slowest_median(layer)
+            row[f"{v}_combine_s"] = exposed(layer, comp)
+            row[f"{v}_rank_compute_median_s"] = [statistics.median(c) for c in comp]
+        row["compute_speedup"] = row["stock_compute_s"] / row["patched_compute_s"]
+        row["layer_speedup"] = row["stock_layer_s"] / row["patched_layer_s"]
+        row["max_rel_err"] = max(max(x["rel_err"][v].values()) for x in rr for v in VARIANTS)
+        row["max_combined_rel_err"] = max(max(x["combined_rel_err"].values()) for x in rr)
+        row["ok"] = row["max_rel_err"] < 1e-2 and row["max_combined_rel_err"] < 1e-2
+        rows.append(row)
+    return rows
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--flashinfer", type=Path, required=True, help="FlashInfer data tarball/dir")
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--work", type=Path, default=single.REPO / ".build" / "moe_dispatch")
+    ap.add_argument("--jobs", type=int, default=os.cpu_count() or 8)
+    ap.add_argument("--gpus", type=int, default=None, help="default: every visible GPU, max 8")
+    ap.add_argument("--quick", action="store_true", help="3 token counts only (smoke test)")
+    args = ap.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    args.work.mkdir(parents=True, exist_ok=True)
+    os.environ.setdefault("TRTLLM_DG_CACHE_DIR", str(args.work / "deepgemm"))
+    os.environ.setdefault("TRTLLM_DG_NVCC_COMPILER", shutil.which("nvcc") or "nvcc")
+    os.environ.setdefault("MAX_JOBS", str(args.jobs))
+    t_start = time.time()
+    result: dict = {"command": " ".join(sys.argv), "phases": {}}
+    data = single.unpack_flashinfer(args.flashinfer, args.work)
+    t0 = time.time()
+    with cf.ProcessPoolExecutor(len(VARIANTS)) as pool:
+        list(pool.map(single._build_in_child, [(str(data), str(args.work), v) for v in VARIANTS]))
+    result["phases"]["build_s"] = time.time() - t0
+    single.log(f"built {VARIANTS} in {result['phases']['build_s']:.0f} s")
+
+    import torch
+    import torch.multiprocessing as mp
+
+    world = min(args.gpus or torch.cuda.device_count(), cases.EP)
+    jobs = warm_jobs()
+    n = min(args.jobs, 16, len(jobs))
+    t0 = time.time()
+    ctx = mp.get_context("spawn")
+    with cf.ProcessPoolExecutor(n, mp_context=ctx) as pool:
+        list(pool.map(_warm_child, [(str(data), str(args.work), jobs[i::n]) for i in range(n)]))
+    result["phases"]["deepgemm_jit_s"] = time.time() - t0
+    single.log(f"{len(jobs)} DeepGEMM kernels ready in {result['phases']['deepgemm_jit_s']:.0f} s")
+
+    props = torch.cuda.get_device_properties(0)
+    smi = subprocess.run(
+        ["nvidia-smi", "--query-gpu=index,name,driver_version", "--format=csv,noheader"],
+        capture_output=True, text=True,
+    ).stdout.strip()  # fmt: skip
+    topo = subprocess.run(["nvidia-smi", "topo", "-m"], capture_output=True, text=True).stdout
+    result["device"] = {
+        "name": props.name, "sms": props.multi_processor_count, "gpus": world,
+        "nvidia_smi": smi, "topology": topo, "torch": torch.__version__,
+        "cuda": torch.version.cuda, "nccl": str(torch.cuda.nccl.version()),
+        "python": platform.python_version(), "flashinfer_sources": args.flashinfer.name,
+    }  # fmt: skip
+    result["ep"] = {"ep_size": cases.EP, "ranks_run": list(range(world)),
+                    "complete": world == cases.EP}  # fmt: skip
+    single.log(f"{world} GPU(s), EP ranks {list(range(world))} of {cases.EP} run concurrently")
+
+    t0 = time.time()
+    tmp = args.work / "ep_ranks.json"
+    tmp.unlink(missing_ok=True)
+    mp.spawn(rank_main, args=(world, args, free_port(), str(tmp)), nprocs=world, join=True)
+    per_rank = json.loads(tmp.read_text())
+    result["phases"]["run_s"] = time.time() - t0
+    rows = aggregate(per_rank, world)
+    result["ab"] = rows
+    result["phases"]["total_s"] = time.time() - t_start
+    name = f"moe_dispatch_ep{world}_{props.name.split()[-1].lower()}.json"
+    single.write_json(args.out / name, result)
+
+    print(f"\nEP ranks run concurrently: {world} of {cases.EP}")
+    print("routing  tokens  stock ms (compute+combine)  patched ms (compute+combine)  "
+          "compute x  layer x  check")  # fmt: skip
+    for r in rows:
+        print(f"{r['routing']:8s} {r['tokens']:6d}  "
+              f"{r['stock_compute_s'] * 1e3:8.3f} + {r['stock_combine_s'] * 1e3:6.3f}"
+              f"           {r['patched_compute_s'] * 1e3:8.3f} + "
+              f"{r['patched_combine_s'] * 1e3:6.3f}"
+              f"         {r['compute_speedup']:6.2f}  {r['layer_speedup']:6.2f}  "
+              f"{'ok' if r['ok'] else 'FAIL'}")  # fmt: skip
+    ok = all(r["ok"] for r in rows)
+    print(f"all checks {'passed' if ok else 'FAILED'}; total {result['phases']['total_s']:.0f} s;"
+          f" wrote {args.out / name}")  # fmt: skip
+    sys.exit(0 if ok else 1)
+
+
+if __name__ == "__main__":
+    main()
