@@ -27,6 +27,7 @@ import concurrent.futures as cf
 import json
 import os
 import platform
+import re
 import shutil
 import socket
 import statistics
@@ -245,6 +246,62 @@ def aggregate(per_rank: list[list[dict]], world: int) -> list[dict]:
     return rows
 
 
+def markdown(result: dict) -> str:
+    """The published table: per case, compute and combine of both builds (slowest rank)."""
+    dev, epi = result["device"], result["ep"]
+    links = ", ".join(sorted(set(re.findall(r"\bNV\d+\b", dev["topology"])))) or "not NVLink"
+    nccl = ".".join(re.findall(r"\d+", dev["nccl"]))
+    ranks = epi["ranks_run"]
+    lines = [
+        f"# MoE dispatch A/B with concurrent EP ranks: {len(ranks)} x {dev['name']}",
+        "",
+        f"EP ranks {ranks} of the EP{epi['ep_size']} layout ran at the same time, one process "
+        f"and GPU each (DeepSeek-V4.1-Flash: 400 slots, 50 local experts, top-6)."
+        + (
+            ""
+            if epi["complete"]
+            else f" **Not the full EP{epi['ep_size']} run**: ranks "
+            f"{len(ranks)}-{epi['ep_size'] - 1} were not run, and the all-reduce spans "
+            f"{len(ranks)} GPUs, not {epi['ep_size']}."
+        ),
+        "",
+        f"Compute = FC1 + FC2 grouped GEMMs (FlashInfer {dev['flashinfer_sources']}'s "
+        "`CutlassFp8BlockScaleGemmRunner`, CUDA graph); combine = finalize (rows to tokens, "
+        "routing-weighted) + NCCL all-reduce, as a CUDA graph. 5 warm-ups, 24 samples, all "
+        "ranks released by one barrier per sample; compute: median over samples of the slowest "
+        "rank; combine: median of (slowest layer - slowest compute), i.e. what the combine "
+        "adds after the slowest rank. Speedups are stock / patched.",
+        "",
+        "| routing | tokens | expected_m stock -> patched | stock compute ms | patched compute "
+        "ms | compute x | stock combine ms | patched combine ms | layer x | check |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in result["ab"]:
+        m = r["expected_m"]
+        lines.append(
+            f"| {r['routing']} | {r['tokens']} | {m['stock']} -> {m['patched']} | "
+            f"{r['stock_compute_s'] * 1e3:.3f} | {r['patched_compute_s'] * 1e3:.3f} | "
+            f"{r['compute_speedup']:.2f} | {r['stock_combine_s'] * 1e3:.3f} | "
+            f"{r['patched_combine_s'] * 1e3:.3f} | {r['layer_speedup']:.2f} | "
+            f"{'ok' if r['ok'] else 'FAIL'} ({r['max_rel_err']:.1e}, "
+            f"{r['max_combined_rel_err']:.1e}) |"
+        )
+    lines += [
+        "",
+        "check: relative L2 error of every rank's FC1/FC2 output against an fp32 reference, "
+        "and of the all-reduced combine against the all-reduced fp32 reference (both < 1e-2).",
+        "",
+        f"Device: {dev['nvidia_smi'].replace(chr(10), '; ')}; GPU links: {links}; torch "
+        f"{dev['torch']}, CUDA {dev['cuda']}, NCCL {nccl}, Python {dev['python']}. Phases (s): "
+        + ", ".join(f"{k} {v:.0f}" for k, v in result["phases"].items()),
+        "",
+        f"Command: `{result['command']}` (on the GPU machine; this table: `python "
+        "benchmarks/moe_dispatch/ep.py --render JSON`). The one-GPU run of all eight ranks in "
+        "turn: [moe_dispatch_h200.md](moe_dispatch_h200.md).",
+    ]
+    return "\n".join(lines) + "\n"
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -253,13 +310,20 @@ def free_port() -> int:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    ap.add_argument("--flashinfer", type=Path, required=True, help="FlashInfer data tarball/dir")
-    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--flashinfer", type=Path, help="FlashInfer data tarball/dir")
+    ap.add_argument("--out", type=Path)
     ap.add_argument("--work", type=Path, default=single.REPO / ".build" / "moe_dispatch")
     ap.add_argument("--jobs", type=int, default=os.cpu_count() or 8)
     ap.add_argument("--gpus", type=int, default=None, help="default: every visible GPU, max 8")
     ap.add_argument("--quick", action="store_true", help="3 token counts only (smoke test)")
+    ap.add_argument("--render", type=Path, default=None, metavar="JSON",
+                    help="CPU: write JSON's Markdown table beside it, then exit")  # fmt: skip
     args = ap.parse_args()
+    if args.render:
+        args.render.with_suffix(".md").write_text(markdown(json.loads(args.render.read_text())))
+        return
+    if not args.flashinfer or not args.out:
+        ap.error("--flashinfer and --out are required")
     args.out.mkdir(parents=True, exist_ok=True)
     args.work.mkdir(parents=True, exist_ok=True)
     os.environ.setdefault("TRTLLM_DG_CACHE_DIR", str(args.work / "deepgemm"))

@@ -56,3 +56,20 @@ def test_help_runs_without_a_gpu():
     r = subprocess.run([sys.executable, str(HERE / "ep.py"), "--help"],
                        capture_output=True, text=True)  # fmt: skip
     assert r.returncode == 0 and "--flashinfer" in r.stdout and "EP" in r.stdout
+
+
+def test_published_table_is_rendered_from_the_published_json(tmp_path):
+    """benchmarks/results/moe_dispatch_ep*_h200.md: every number comes from its JSON."""
+    import shutil
+
+    results = HERE.parents[0] / "results"
+    published = sorted(results.glob("moe_dispatch_ep*_h200.json"))
+    assert published
+    for js in published:
+        shutil.copy(js, tmp_path / js.name)
+        cmd = [sys.executable, str(HERE / "ep.py"), "--render", str(tmp_path / js.name)]
+        r = subprocess.run(cmd, capture_output=True, text=True)
+        assert r.returncode == 0, r.stderr
+        assert (tmp_path / js.name).with_suffix(".md").read_text() == js.with_suffix(
+            ".md"
+        ).read_text()
