@@ -36,6 +36,7 @@ def test_report_table_csv_json_and_plots(finished_sweep, tmp_path):
             100 * (RATES["b"] / RATES["a"] - 1), abs=15
         )
     assert "the servers' Prometheus token counters" in md and "## Notes" not in md
+    assert "| Prompt tokens per request |" in md
     with open(rep / "report.csv") as f:
         rows = list(csv.DictReader(f))
     assert [(r["target"], r["concurrency"]) for r in rows] == [

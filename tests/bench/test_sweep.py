@@ -184,3 +184,22 @@ def test_command_line_is_guidellm_s(tiny_spec, tmp_path):
     assert "--constraint kind=max_duration,seconds=1.5" in line
     assert "--data kind=synthetic_text,prompt_tokens=24,output_tokens=16" in line
     assert "--seed kind=static,value=5" in line
+
+
+@pytest.mark.slow
+def test_a_run_whose_requests_all_fail_is_recorded_and_exits_1(
+    mock_servers, tokenizer_dir, tmp_path
+):
+    spec = tmp_path / "one.yaml"
+    spec.write_text(TINY_SPEC.replace("concurrency: [1, 2]", "concurrency: [2]").replace(
+        "runs: 2", "runs: 1"))  # fmt: skip
+    bad = mock_servers("tiny-model", "--fail-after-requests", "0")
+    out = tmp_path / "out"
+    res = _sweep_cli(spec, tokenizer_dir, out, f"x={bad.url}",
+                     extra=("--throughput-source", "guidellm"))  # fmt: skip
+    assert res.returncode == 1, res.stderr
+    assert "FAIL x c2 run 1/1: no successful request" in res.stderr
+    assert "0 run(s) finished now, 0 earlier, 1 failed" in res.stderr
+    rec = json.loads((out / "runs/x/c2-r0.json").read_text())
+    assert rec["status"] == "error" and rec["guidellm"]["requests"]["errored"] > 0
+    assert "500 Internal Server Error" in rec["error"]

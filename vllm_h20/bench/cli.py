@@ -108,6 +108,8 @@ def sweep_cmd(spec, targets, out, tokenizer, throughput_source, metrics_url, res
     exit 1 if any run failed (rerun with --resume to retry only those).
     """
     _need("guidellm", "prometheus_client")
+    from rich.markup import escape
+
     from ..console import step_progress
     from . import spec as spec_mod
     from .sweep import sweep
@@ -132,7 +134,7 @@ def sweep_cmd(spec, targets, out, tokenizer, throughput_source, metrics_url, res
                 f"errored {gl['requests']['errored']}, incomplete {gl['requests']['incomplete']}"
             )
         else:
-            console.print(f"[red]FAIL[/] {key.label(s.runs)}: {rec['error']}")
+            console.print(f"[red]FAIL[/] {key.label(s.runs)}: {escape(rec['error'])}")
         bar.advance(state["task"])
 
     click.echo(

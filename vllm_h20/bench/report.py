@@ -77,6 +77,7 @@ class Cell:
     errored: int
     incomplete: int
     prefix_cache_hits: float | None
+    prompt_tokens: float | None  # per request, as the server reported it to GuideLLM
     values: list[float]
 
 
@@ -99,6 +100,7 @@ def cells(s: Sweeps) -> dict[str, dict[int, Cell]]:
             errored=sum(g["requests"]["errored"] for g in gl),
             incomplete=sum(g["requests"]["incomplete"] for g in gl),
             prefix_cache_hits=None if all(h is None for h in hits) else sum(h or 0 for h in hits),
+            prompt_tokens=_mean([g.get("prompt_tokens_per_request") for g in gl]),
             values=vals,
         )
     return out
@@ -178,9 +180,9 @@ def markdown(s: Sweeps, names: list[str], cs: dict[str, dict[int, Cell]], compar
         "",
         "## Run health and cross-check",
         "",
-        f"| Concurrency | Target | Runs | {unit} per run | GuideLLM {unit} | Errored | "
-        "Incomplete | Prefix-cache hits |",
-        "|---|---|---|---|---|---|---|---|",
+        f"| Concurrency | Target | Runs | {unit} per run | GuideLLM {unit} | Prompt tokens "
+        "per request | Errored | Incomplete | Prefix-cache hits |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for c in tiers:
         for n in names:
@@ -189,8 +191,9 @@ def markdown(s: Sweeps, names: list[str], cs: dict[str, dict[int, Cell]], compar
                 hits = "n/a" if x.prefix_cache_hits is None else f"{x.prefix_cache_hits:,.0f}"
                 gl = "—" if x.guidellm is None else f"{x.guidellm:,.0f}"
                 per = ", ".join(f"{v:,.0f}" for v in x.values)
+                pt = "—" if x.prompt_tokens is None else f"{x.prompt_tokens:,.1f}"
                 lines.append(
-                    f"| {c} | {n} | {x.throughput.n} | {per} | {gl} | {x.errored} | "
+                    f"| {c} | {n} | {x.throughput.n} | {per} | {gl} | {pt} | {x.errored} | "
                     f"{x.incomplete} | {hits} |"
                 )
     notes = []
@@ -252,6 +255,7 @@ def _rows(names: list[str], cs: dict[str, dict[int, Cell]], unit: str) -> list[d
                 "errored": x.errored,
                 "incomplete": x.incomplete,
                 "prefix_cache_hits": x.prefix_cache_hits,
+                "prompt_tokens_per_request": x.prompt_tokens,
             })  # fmt: skip
     return rows
 
