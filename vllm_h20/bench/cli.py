@@ -237,7 +237,11 @@ def report_cmd(dirs, baseline, out):
     help="Paired against every other target (default: the first).",
 )
 @click.option(
-    "--out", type=click.Path(path_type=Path), default=Path("gsm8k-results"), show_default=True
+    "--out",
+    type=click.Path(path_type=Path),
+    default=Path("gsm8k-results"),
+    show_default=True,
+    help="Results directory (answers per target, the paired table).",
 )
 @click.option(
     "--resume", is_flag=True, help="Keep the answers already in --out; ask only the rest."
@@ -249,8 +253,9 @@ def gsm8k_cmd(targets, data, limit, seed, max_tokens, request_format, max_concur
     Temperature 0; an item is excluded from the paired score when any target hit
     --max-tokens. With two or more targets, prints the paired table (both right / only A /
     only B / both wrong) and the exact McNemar p-value against the baseline. Answers are
-    appended to OUT/TARGET.jsonl as they arrive; OUT/gsm8k.{md,json} hold the result.
-    Exit 1 if some questions could not be asked (rerun with --resume).
+    appended to OUT/TARGET.jsonl as they arrive; OUT/gsm8k.md and OUT/result.json hold the
+    result, OUT/gsm8k.json the question set and settings. Exit 1 if some questions could
+    not be asked (rerun with --resume).
     """
     from rich.progress import MofNCompleteColumn, Progress, TimeElapsedColumn, TimeRemainingColumn
 
