@@ -42,6 +42,12 @@ def test_report_table_csv_json_and_plots(finished_sweep, tmp_path):
     assert [(r["target"], r["concurrency"]) for r in rows] == [
         ("a", "1"), ("a", "2"), ("b", "1"), ("b", "2")
     ]  # fmt: skip
+    with open(rep / "runs.csv") as f:
+        runs = list(csv.DictReader(f))
+    assert len(runs) == 8 and {r["status"] for r in runs} == {"ok"}
+    assert [
+        float(r["output_tok_s"]) for r in runs if r["target"] == "a" and r["concurrency"] == "1"
+    ] == _per_run(out, "a", 1)
     doc = json.loads((rep / "report.json").read_text())
     assert doc["baseline"] == "a" and doc["spec"]["name"] == "tiny" and not doc["failed_runs"]
     for png in ("throughput.png", "latency.png"):

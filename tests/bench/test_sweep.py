@@ -203,3 +203,18 @@ def test_a_run_whose_requests_all_fail_is_recorded_and_exits_1(
     rec = json.loads((out / "runs/x/c2-r0.json").read_text())
     assert rec["status"] == "error" and rec["guidellm"]["requests"]["errored"] > 0
     assert "500 Internal Server Error" in rec["error"]
+
+
+def test_dry_run_checks_everything_and_writes_nothing(
+    mock_pair, vllm_metrics, tiny_spec, tokenizer_dir, tmp_path
+):
+    m = vllm_metrics()
+    out = tmp_path / "o"
+    res = _sweep_cli(tiny_spec, tokenizer_dir, out, f"a={mock_pair[0].url}",
+                     extra=("--metrics-url", f"a={m.url}", "--dry-run"))  # fmt: skip
+    assert res.returncode == 0, res.stderr
+    assert "would run 4 of 4 runs" in res.stdout
+    assert "every target answers and exports vLLM's token counters" in res.stdout
+    first = next(ln for ln in res.stdout.splitlines() if ln.startswith("first run: "))
+    assert " -m guidellm run " in first and "streams=1," in first and "model=tiny-model" in first
+    assert not out.exists()

@@ -96,8 +96,14 @@ _target_opt = click.option(
     show_default=True,
     help="Seconds between counter reads during a run.",
 )
+@click.option(
+    "--dry-run",
+    is_flag=True,
+    help="Check the spec, targets, metrics, tokenizer and --out; print the plan and the "
+    "first GuideLLM command; write nothing.",
+)
 def sweep_cmd(spec, targets, out, tokenizer, throughput_source, metrics_url, resume,
-              scrape_interval):  # fmt: skip
+              scrape_interval, dry_run):  # fmt: skip
     """Run sweep SPEC (benchmarks/sweeps/NAME.yaml or a file) against every --target.
 
     One GuideLLM run per target, concurrency tier and repeat, ordered run by run so drift
@@ -148,6 +154,20 @@ def sweep_cmd(spec, targets, out, tokenizer, throughput_source, metrics_url, res
             console.print(f"resuming: {total - todo} of {total} runs already finished")
         bar.update(state["task"], total=todo)
 
+    if dry_run:
+        import shlex
+
+        res = sweep(out, s, ts, tok, throughput_source, resume, dry_run=True)
+        # + GuideLLM's start-up and report, 10-15 s per run measured on a 2-core client
+        minutes = len(res.todo) * (s.warmup_s + s.measure_s + 15) / 60
+        click.echo(
+            f"would run {len(res.todo)} of {res.total} runs (about {minutes:.0f} min); "
+            "every target answers"
+            + (" and exports vLLM's token counters" if throughput_source == "server" else "")
+        )
+        if res.first_command:
+            click.echo("first run: " + shlex.join(res.first_command))
+        sys.exit(0)
     with bar:
         state["task"] = bar.add_task(f"sweep {s.name}", total=None, current="")
         res = sweep(out, s, ts, tok, throughput_source, resume, on_run, scrape_interval, on_plan)
@@ -171,7 +191,7 @@ def sweep_cmd(spec, targets, out, tokenizer, throughput_source, metrics_url, res
     "--out",
     type=click.Path(path_type=Path),
     default=None,
-    help="Where to write report.{md,csv,json} and the plots (default: FIRST_DIR/report).",
+    help="Where to write report.{md,csv,json}, runs.csv and the plots (default: FIRST_DIR/report).",
 )
 def report_cmd(dirs, baseline, out):
     """Tables and plots from one or more sweep directories of the same spec.
@@ -179,8 +199,8 @@ def report_cmd(dirs, baseline, out):
     report.md holds the seed's table (tier, baseline mean ± sample std, candidate mean ±
     std, change %), TTFT/ITL percentiles and a run-health table (server vs GuideLLM
     throughput, errors, incomplete requests, prefix-cache hits); report.csv and report.json
-    the same numbers; throughput.png (with error bars) and latency.png the plots. Sweeps
-    measured with different specs or tokenizers are refused.
+    the same numbers, runs.csv every run; throughput.png (with error bars) and latency.png
+    the plots. Sweeps measured with different specs or tokenizers are refused.
     """
     _need("matplotlib")
     from . import report

@@ -331,6 +331,20 @@ def write(dirs: list[Path], out: Path, baseline: str | None) -> list[Path]:
         w = csv.DictWriter(f, fieldnames=list(rows[0]))
         w.writeheader()
         w.writerows(rows)
+    runs_csv = out / "runs.csv"
+    with open(runs_csv, "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["target", "concurrency", "run", "status", f"{unit}_tok_s",
+                    f"guidellm_{unit}_tok_s", "window_s", "successful", "errored", "incomplete",
+                    "prefix_cache_hits", "seed", "error"])  # fmt: skip
+        for r in sorted(s.runs + s.failed, key=lambda r: (r["target"], r["concurrency"], r["run"])):
+            gl = r.get("guidellm") or {}
+            req = gl.get("requests") or {}
+            w.writerow([r["target"], r["concurrency"], r["run"], r["status"],
+                        r.get("throughput"), gl.get(f"{unit}_tok_s"), r.get("window_s"),
+                        req.get("successful"), req.get("errored"), req.get("incomplete"),
+                        (r.get("server") or {}).get("prefix_cache_hits"), r.get("seed"),
+                        r.get("error") or ""])  # fmt: skip
     js = out / "report.json"
     write_json_atomic(js, {
         "spec": s.spec,
@@ -343,7 +357,7 @@ def write(dirs: list[Path], out: Path, baseline: str | None) -> list[Path]:
             {k: r.get(k) for k in ("target", "concurrency", "run", "error")} for r in s.failed
         ],
     })  # fmt: skip
-    return [md, csv_path, js, *plots(out, s, names, cs)]
+    return [md, csv_path, runs_csv, js, *plots(out, s, names, cs)]
 
 
 def headline(path: Path) -> str:

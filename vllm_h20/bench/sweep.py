@@ -16,7 +16,7 @@ import json
 import shutil
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +25,7 @@ from .._io import write_json_atomic
 from . import counters
 from .guidellm_run import RunArgs, command, run, summarize
 from .spec import SweepSpec, fingerprint
-from .targets import Target, TargetError, served, tokenizer_fingerprint
+from .targets import Target, TargetError, served, server_version, tokenizer_fingerprint
 
 MANIFEST = "sweep.json"
 SOURCES = ("server", "guidellm")
@@ -80,7 +80,12 @@ def manifest(
         "spec": {**spec.as_dict(), "fingerprint": fingerprint(spec)},
         "tokenizer": {"path": str(tokenizer), "fingerprint": tokenizer_fingerprint(tokenizer)},
         "targets": {
-            t.name: {"url": t.url, "metrics_url": t.metrics_url, "model": models[t.name]}
+            t.name: {
+                "url": t.url,
+                "metrics_url": t.metrics_url,
+                "model": models[t.name],
+                "server_version": server_version(t),
+            }
             for t in targets
         },
         "throughput_source": source,
@@ -121,8 +126,10 @@ def prepare(
     tokenizer: Path,
     source: str,
     resume: bool,
+    dry_run: bool = False,
 ) -> dict[str, Any]:
-    """Check every target answers and the output directory fits; write sweep.json."""
+    """Check every target answers and the output directory fits; write sweep.json (not on
+    a dry run, which writes nothing)."""
     models = {t.name: served(t).model for t in targets}
     if source == "server":
         for t in targets:
@@ -149,6 +156,8 @@ def prepare(
         new = {**old, "targets": old["targets"]}
     elif out.exists() and any(out.iterdir()):
         raise SweepError(f"{out}: exists and is not a sweep directory; choose another --out")
+    if dry_run:
+        return new
     out.mkdir(parents=True, exist_ok=True)
     write_json_atomic(mpath, new)
     return new
@@ -262,6 +271,8 @@ class SweepResult:
     skipped: int
     ok: int
     failed: list[dict[str, Any]]
+    todo: list[RunKey] = field(default_factory=list)
+    first_command: list[str] = field(default_factory=list)
 
 
 def sweep(
@@ -274,16 +285,25 @@ def sweep(
     on_run: Callable[[RunKey, dict[str, Any] | None], None] | None = None,
     scrape_interval: float = 0.5,
     on_plan: Callable[[int, int], None] | None = None,
+    dry_run: bool = False,
 ) -> SweepResult:
     """Run what is missing; `on_plan(total, to_run)` once, then `on_run(key, None)` before
     and `on_run(key, record)` after each run."""
     if source not in SOURCES:
         raise SweepError(f"--throughput-source {source}: expected one of {SOURCES}")
-    man = prepare(out, spec, targets, tokenizer, source, resume)
+    man = prepare(out, spec, targets, tokenizer, source, resume, dry_run)
     keys = plan(spec, targets)
     todo = list(pending(out, keys))
     by_name = {t.name: t for t in targets}
-    res = SweepResult(total=len(keys), skipped=len(keys) - len(todo), ok=0, failed=[])
+    res = SweepResult(total=len(keys), skipped=len(keys) - len(todo), ok=0, failed=[], todo=todo)
+    if dry_run:
+        if todo:
+            k = todo[0]
+            args = RunArgs(by_name[k.target].url, man["targets"][k.target]["model"],
+                           k.concurrency, spec.run_seed(k.concurrency, k.run), tokenizer,
+                           run_path(out, k).with_name(f"{k.stem}.guidellm.json"))  # fmt: skip
+            res.first_command = command(spec, args)
+        return res
     if on_plan:
         on_plan(len(keys), len(todo))
     for k in todo:

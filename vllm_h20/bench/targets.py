@@ -100,6 +100,14 @@ def served(t: Target, timeout: float = 5.0) -> Served:
         ) from None
 
 
+def server_version(t: Target, timeout: float = 5.0) -> str | None:
+    """vLLM's `/version` (recorded with the results); None where a server has none."""
+    try:
+        return str(get_json(t.endpoint("/version"), timeout)["version"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
 def find_tokenizer(flag: Path | None, roots: list[str | None]) -> Path:
     """`--tokenizer DIR`, else the served model's directory when it exists on this machine."""
     if flag is not None:
