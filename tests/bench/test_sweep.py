@@ -80,6 +80,7 @@ def test_a_server_that_goes_away_fails_its_run_and_resume_retries_it(
     assert (res.skipped, res.ok, res.failed) == (1, 1, [])
     rec = json.loads((tmp_path / "out/runs/b/c2-r0.json").read_text())
     assert rec["status"] == "ok" and rec["throughput_source"] == "guidellm"
+    assert rec["attempt"] == 1 and rec["seed"] == s.run_seed(2, 0) + 10_000_000  # new prompts
 
 
 def _sweep_cli(spec, tok, out, *targets, extra=()):

@@ -185,8 +185,10 @@ def measure(
     path.parent.mkdir(parents=True, exist_ok=True)
     raw = path.with_name(f"{key.stem}.guidellm.json")
     log = path.with_name(f"{key.stem}.log")
-    args = RunArgs(target.url, model, key.concurrency, spec.run_seed(key.concurrency, key.run),
-                   tokenizer, raw)  # fmt: skip
+    # A retried run gets new prompts: the failed attempt may have left them in the prefix cache.
+    attempt = (read_run(path) or {}).get("attempt", -1) + 1
+    seed = spec.run_seed(key.concurrency, key.run) + 10_000_000 * attempt
+    args = RunArgs(target.url, model, key.concurrency, seed, tokenizer, raw)
     cmd = command(spec, args)
     rec: dict[str, Any] = {
         "status": "error",
@@ -197,6 +199,7 @@ def measure(
         "concurrency": key.concurrency,
         "run": key.run,
         "seed": args.seed,
+        "attempt": attempt,
         "spec": spec.name,
         "throughput_source": source,
         "started": time.time(),
