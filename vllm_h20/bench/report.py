@@ -7,6 +7,7 @@ mean +- std, change in percent; every number comes from the run files, nothing i
 from __future__ import annotations
 
 import csv
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -14,6 +15,8 @@ from typing import Any
 from .._io import write_json_atomic
 from .stats import Summary, change_pct, summarize
 from .sweep import MANIFEST, read_run
+
+RUN_FILE = re.compile(r"^c\d+-r\d+\.json$")
 
 
 class ReportError(ValueError):
@@ -51,6 +54,8 @@ def load(dirs: list[Path]) -> Sweeps:
             acc.targets[name] = {**t, "dir": str(d)}
         acc.dirs.append(str(d))
         for p in sorted((d / "runs").glob("*/c*-r*.json")):
+            if not RUN_FILE.match(p.name):  # e.g. GuideLLM's own report of a cut-off run
+                continue
             rec = read_run(p)
             if rec is None:
                 raise ReportError(f"{p}: unreadable run file")

@@ -224,11 +224,15 @@ def measure(
     raw.unlink(missing_ok=True)
     timeout = spec.warmup_s + spec.measure_s + 300
     rec_ctx = counters.Recorder(target.metrics_url, scrape_interval) if source == "server" else None
-    if rec_ctx is not None:
-        with rec_ctx:
+    try:
+        if rec_ctx is not None:
+            with rec_ctx:
+                code, last = run(cmd, log, timeout)
+        else:
             code, last = run(cmd, log, timeout)
-    else:
-        code, last = run(cmd, log, timeout)
+    except BaseException:  # interrupted: GuideLLM may have written a report of a cut-off run
+        raw.unlink(missing_ok=True)
+        raise
     if code != 0 or not raw.is_file():
         return done(f"GuideLLM exited with code {code}: {last} (log: {log})")
     try:
