@@ -9,9 +9,18 @@ from pathlib import Path
 import pytest
 
 from tests.bench.conftest import RATES, TINY_SPEC, cli, free_port
+from tests.test_cli import one_line_error
 from vllm_h20.bench import spec as spec_mod
 from vllm_h20.bench.sweep import prepare, sweep
 from vllm_h20.bench.targets import parse_targets
+
+
+def _one_run_spec(tmp_path: Path) -> Path:
+    """The tiny spec cut to one tier and one run: a single GuideLLM run per target."""
+    spec = tmp_path / "one.yaml"
+    spec.write_text(TINY_SPEC.replace("concurrency: [1, 2]", "concurrency: [2]").replace(
+        "runs: 2", "runs: 1"))  # fmt: skip
+    return spec
 
 
 @pytest.mark.slow
@@ -57,9 +66,7 @@ def test_runs_hold_server_counters_over_guidellm_window(finished_sweep):
 def test_a_server_that_goes_away_fails_its_run_and_resume_retries_it(
     mock_servers, tokenizer_dir, tmp_path
 ):
-    spec = tmp_path / "one.yaml"
-    spec.write_text(TINY_SPEC.replace("concurrency: [1, 2]", "concurrency: [2]").replace(
-        "runs: 2", "runs: 1"))  # fmt: skip
+    spec = _one_run_spec(tmp_path)
     a = mock_servers("tiny-model", "--itl-ms", "2")
     b = mock_servers("tiny-model", "--itl-ms", "2")
     s = spec_mod.load(spec)
@@ -92,24 +99,16 @@ def _sweep_cli(spec, tok, out, *targets, extra=()):
     return cli(*args, *extra, timeout=120)
 
 
-def _one_line_error(res, *needles):
-    assert res.returncode == 2, (res.stdout, res.stderr)
-    last = res.stderr.strip().splitlines()[-1]
-    assert last.startswith("error: ") and "Traceback" not in res.stderr
-    for n in needles:
-        assert n in last, last
-
-
 def test_unreachable_target_is_one_line(tiny_spec, tokenizer_dir, tmp_path):
     url = f"http://127.0.0.1:{free_port()}"
     res = _sweep_cli(tiny_spec, tokenizer_dir, tmp_path / "o", f"x={url}")
-    _one_line_error(res, "target x", "cannot reach", "is the server up?")
+    one_line_error(res, "target x", "cannot reach", "is the server up?")
     assert not (tmp_path / "o").exists()
 
 
 def test_server_without_metrics_says_what_to_do(mock_pair, tiny_spec, tokenizer_dir, tmp_path):
     res = _sweep_cli(tiny_spec, tokenizer_dir, tmp_path / "o", f"a={mock_pair[0].url}")
-    _one_line_error(res, "target a", "HTTP 404", "--throughput-source guidellm")
+    one_line_error(res, "target a", "HTTP 404", "--throughput-source guidellm")
 
 
 @pytest.mark.parametrize(
@@ -121,25 +120,25 @@ def test_server_without_metrics_says_what_to_do(mock_pair, tiny_spec, tokenizer_
     ],
 )
 def test_bad_target_syntax(tiny_spec, tokenizer_dir, tmp_path, target, needle):
-    _one_line_error(_sweep_cli(tiny_spec, tokenizer_dir, tmp_path / "o", target), needle)
+    one_line_error(_sweep_cli(tiny_spec, tokenizer_dir, tmp_path / "o", target), needle)
 
 
 def test_bad_spec_and_duplicate_target_names(mock_pair, tiny_spec, tokenizer_dir, tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text(TINY_SPEC.replace("runs: 2", "rnus: 2"))
-    _one_line_error(_sweep_cli(bad, tokenizer_dir, tmp_path / "o", f"a={mock_pair[0].url}"),
+    one_line_error(_sweep_cli(bad, tokenizer_dir, tmp_path / "o", f"a={mock_pair[0].url}"),
                     str(bad), "did you mean `runs`")  # fmt: skip
     u = mock_pair[0].url
-    _one_line_error(_sweep_cli(tiny_spec, tokenizer_dir, tmp_path / "o", f"a={u}", f"a={u}"),
+    one_line_error(_sweep_cli(tiny_spec, tokenizer_dir, tmp_path / "o", f"a={u}", f"a={u}"),
                     "used twice")  # fmt: skip
 
 
 def test_tokenizer_is_required_offline(mock_pair, tiny_spec, tmp_path):
     u = mock_pair[0].url
     res = _sweep_cli(tiny_spec, None, tmp_path / "o", f"a={u}")
-    _one_line_error(res, "no tokenizer", "--tokenizer DIR")
+    one_line_error(res, "no tokenizer", "--tokenizer DIR")
     res = _sweep_cli(tiny_spec, tmp_path, tmp_path / "o", f"a={u}")
-    _one_line_error(res, f"--tokenizer {tmp_path}", "no tokenizer.json")
+    one_line_error(res, f"--tokenizer {tmp_path}", "no tokenizer.json")
 
 
 def test_refuses_to_mix_specs_models_tokenizers(mock_pair, tiny_spec, tokenizer_dir, tmp_path):
@@ -148,26 +147,26 @@ def test_refuses_to_mix_specs_models_tokenizers(mock_pair, tiny_spec, tokenizer_
     ts = parse_targets((f"a={u}",))
     prepare(out, spec_mod.load(tiny_spec), ts, tokenizer_dir, "guidellm", resume=False)
     g = ("--throughput-source", "guidellm")
-    _one_line_error(_sweep_cli(tiny_spec, tokenizer_dir, out, f"a={u}", extra=g),
+    one_line_error(_sweep_cli(tiny_spec, tokenizer_dir, out, f"a={u}", extra=g),
                     "already holds a sweep", "--resume")  # fmt: skip
     other = tmp_path / "other.yaml"
     other.write_text(TINY_SPEC.replace("measure_s: 1.0", "measure_s: 2.0"))
-    _one_line_error(_sweep_cli(other, tokenizer_dir, out, f"a={u}", extra=(*g, "--resume")),
+    one_line_error(_sweep_cli(other, tokenizer_dir, out, f"a={u}", extra=(*g, "--resume")),
                     "another spec")  # fmt: skip
     tok2 = tmp_path / "tok2"
     shutil.copytree(tokenizer_dir, tok2)
     (tok2 / "tokenizer_config.json").write_text('{"eos_token": "x"}')
-    _one_line_error(_sweep_cli(tiny_spec, tok2, out, f"a={u}", extra=(*g, "--resume")),
+    one_line_error(_sweep_cli(tiny_spec, tok2, out, f"a={u}", extra=(*g, "--resume")),
                     "another tokenizer")  # fmt: skip
     man = json.loads((out / "sweep.json").read_text())
     man["targets"]["a"]["model"] = "some-other-model"
     (out / "sweep.json").write_text(json.dumps(man))
-    _one_line_error(_sweep_cli(tiny_spec, tokenizer_dir, out, f"a={u}", extra=(*g, "--resume")),
+    one_line_error(_sweep_cli(tiny_spec, tokenizer_dir, out, f"a={u}", extra=(*g, "--resume")),
                     "served `some-other-model` there, now `tiny-model`")  # fmt: skip
     stray = tmp_path / "stray"
     stray.mkdir()
     (stray / "notes.txt").write_text("mine")
-    _one_line_error(_sweep_cli(tiny_spec, tokenizer_dir, stray, f"a={u}", extra=g),
+    one_line_error(_sweep_cli(tiny_spec, tokenizer_dir, stray, f"a={u}", extra=g),
                     "not a sweep directory")  # fmt: skip
     assert (stray / "notes.txt").read_text() == "mine"
 
@@ -191,9 +190,7 @@ def test_command_line_is_guidellm_s(tiny_spec, tmp_path):
 def test_a_run_whose_requests_all_fail_is_recorded_and_exits_1(
     mock_servers, tokenizer_dir, tmp_path
 ):
-    spec = tmp_path / "one.yaml"
-    spec.write_text(TINY_SPEC.replace("concurrency: [1, 2]", "concurrency: [2]").replace(
-        "runs: 2", "runs: 1"))  # fmt: skip
+    spec = _one_run_spec(tmp_path)
     bad = mock_servers("tiny-model", "--fail-after-requests", "0")
     out = tmp_path / "out"
     res = _sweep_cli(spec, tokenizer_dir, out, f"x={bad.url}",

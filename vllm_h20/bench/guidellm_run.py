@@ -72,21 +72,22 @@ def run(cmd: list[str], log: Path, timeout: float) -> tuple[int, str]:
         try:
             code = p.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
-            p.send_signal(signal.SIGINT)
-            try:
-                p.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
+            _stop(p)
             return 124, f"GuideLLM did not finish within {timeout:.0f} s"
         except BaseException:
-            p.send_signal(signal.SIGINT)
-            try:
-                p.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                p.kill()
+            _stop(p)
             raise
     return code, last_line(log)
+
+
+def _stop(p: subprocess.Popen) -> None:
+    """Ctrl-C first (GuideLLM cancels its requests), a kill if it does not stop in 30 s."""
+    p.send_signal(signal.SIGINT)
+    try:
+        p.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        p.kill()
+        p.wait()
 
 
 def last_line(log: Path) -> str:

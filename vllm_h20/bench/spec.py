@@ -13,7 +13,7 @@ from typing import Any
 
 import yaml
 
-from .._data import shipped_dir
+from .._data import resolve_shipped, shipped_dir
 
 
 class SpecError(ValueError):
@@ -69,14 +69,10 @@ def shipped_sweeps() -> Path:
 
 def resolve(spec: str | Path) -> Path:
     """A path, or the name of a shipped spec (`decode`, `prefill`)."""
-    p = Path(spec)
-    if p.is_file():
-        return p
-    named = shipped_sweeps() / f"{spec}.yaml"
-    if named.is_file():
-        return named
-    names = ", ".join(sorted(f.stem for f in shipped_sweeps().glob("*.yaml")))
-    raise SpecError(f"{spec}: no such sweep spec file or shipped spec (shipped: {names})")
+    try:
+        return resolve_shipped(spec, shipped_sweeps())
+    except LookupError as e:
+        raise SpecError(f"{spec}: no such sweep spec file or shipped spec (shipped: {e})") from None
 
 
 def _unknown(where: str, keys: set[str], known: set[str]) -> None:

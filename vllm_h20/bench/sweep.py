@@ -16,6 +16,7 @@ import json
 import shutil
 import time
 from collections.abc import Callable, Iterator
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -225,10 +226,7 @@ def measure(
     timeout = spec.warmup_s + spec.measure_s + 300
     rec_ctx = counters.Recorder(target.metrics_url, scrape_interval) if source == "server" else None
     try:
-        if rec_ctx is not None:
-            with rec_ctx:
-                code, last = run(cmd, log, timeout)
-        else:
+        with rec_ctx or nullcontext():
             code, last = run(cmd, log, timeout)
     except BaseException:  # interrupted: GuideLLM may have written a report of a cut-off run
         raw.unlink(missing_ok=True)

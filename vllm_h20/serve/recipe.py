@@ -12,7 +12,7 @@ from typing import Any
 
 import yaml
 
-from .._data import shipped_dir
+from .._data import resolve_shipped, shipped_dir
 
 
 class RecipeError(ValueError):
@@ -44,14 +44,10 @@ def shipped_recipes() -> Path:
 
 def resolve(spec: str | Path) -> Path:
     """A path, or the name of a shipped recipe (`deepseek-v41-flash-fp8-tp8ep8`)."""
-    p = Path(spec)
-    if p.exists():
-        return p
-    named = shipped_recipes() / f"{spec}.yaml"
-    if named.exists():
-        return named
-    names = ", ".join(sorted(f.stem for f in shipped_recipes().glob("*.yaml")))
-    raise RecipeError(f"{spec}: no such recipe file or shipped recipe (shipped: {names})")
+    try:
+        return resolve_shipped(spec, shipped_recipes())
+    except LookupError as e:
+        raise RecipeError(f"{spec}: no such recipe file or shipped recipe (shipped: {e})") from None
 
 
 def load(spec: str | Path) -> Recipe:
