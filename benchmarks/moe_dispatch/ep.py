@@ -97,16 +97,7 @@ def _warm_child(args) -> int:
     for m in mods.values():
         m.set_include_dirs([str(Path(data) / "csrc" / "nv_internal" / "tensorrt_llm")])
     for variant, si, num_rows, em in jobs:
-        s = cases.SHAPES[si]
-        rows = 4 * cases.LOCAL
-        a = torch.randn(rows, s.k, device="cuda").to(torch.bfloat16)
-        w = torch.randn(cases.LOCAL, s.n, s.k, device="cuda").to(torch.float8_e4m3fn)
-        sc = torch.ones(cases.LOCAL, s.n // 128, s.k // 128, device="cuda")
-        off = torch.tensor(cases.offsets(np.full(cases.LOCAL, 4)), device="cuda")
-        gg = mods[variant].GroupedGemm(num_rows, s.n, s.k, cases.TOP_K, cases.LOCAL, em)
-        ws = torch.empty(max(gg.workspace_bytes, 1), dtype=torch.uint8, device="cuda")
-        out = torch.empty(rows, s.n, dtype=torch.bfloat16, device="cuda")
-        gg.run(out, a, w, sc, off, ws)
+        single.warm_gemm(mods[variant], si, num_rows, cases.TOP_K, em)()
         torch.cuda.synchronize()
     return len(jobs)
 

@@ -451,6 +451,24 @@ def warm_jobs(num_sms: int):
     return sorted(jobs)
 
 
+def warm_gemm(mod, si: int, num_rows: int, top_k: int, expected_m: int):
+    """A small grouped GEMM (4 rows per expert) sized as the runner would size one for
+    `num_rows` tokens with `expected_m`; calling the result runs it once, so DeepGEMM
+    JIT-compiles the kernel that choice selects."""
+    import torch
+
+    s = cases.SHAPES[si]
+    rows = 4 * cases.LOCAL
+    a = torch.randn(rows, s.k, device="cuda").to(torch.bfloat16)
+    w = torch.randn(cases.LOCAL, s.n, s.k, device="cuda").to(torch.float8_e4m3fn)
+    sc = torch.ones(cases.LOCAL, s.n // 128, s.k // 128, device="cuda")
+    off = torch.tensor(cases.offsets(np.full(cases.LOCAL, 4)), device="cuda")
+    gg = mod.GroupedGemm(num_rows, s.n, s.k, top_k, cases.LOCAL, expected_m)
+    ws = torch.empty(max(gg.workspace_bytes, 1), dtype=torch.uint8, device="cuda")
+    out = torch.empty(rows, s.n, dtype=torch.bfloat16, device="cuda")
+    return lambda: gg.run(out, a, w, sc, off, ws)
+
+
 def _warm_child(args) -> list[tuple]:
     data, work, jobs = args
     import torch
@@ -459,18 +477,10 @@ def _warm_child(args) -> list[tuple]:
     mod.set_include_dirs([str(Path(data) / "csrc" / "nv_internal" / "tensorrt_llm")])
     done = []
     for si, m, force in jobs:
-        s = cases.SHAPES[si]
-        rows = 4 * cases.LOCAL
-        a = torch.randn(rows, s.k, device="cuda").to(torch.bfloat16)
-        w = torch.randn(cases.LOCAL, s.n, s.k, device="cuda").to(torch.float8_e4m3fn)
-        sc = torch.ones(cases.LOCAL, s.n // 128, s.k // 128, device="cuda")
-        off = torch.tensor(cases.offsets(np.full(cases.LOCAL, 4)), device="cuda")
-        gg = mod.GroupedGemm(rows, s.n, s.k, 1, cases.LOCAL, m)
-        ws = torch.empty(max(gg.workspace_bytes, 1), dtype=torch.uint8, device="cuda")
-        out = torch.empty(rows, s.n, dtype=torch.bfloat16, device="cuda")
+        gemm = warm_gemm(mod, si, 4 * cases.LOCAL, 1, m)
         t0 = time.time()
         mod.force_branch(force)
-        gg.run(out, a, w, sc, off, ws)
+        gemm()
         torch.cuda.synchronize()
         done.append((si, m, force, time.time() - t0))
     return done
