@@ -131,3 +131,23 @@ def test_gsm8k_without_data_or_server_is_one_line(tmp_path):
     assert "Traceback" not in res.stderr and not (tmp_path / "o").exists()
     res = cli("bench", "gsm8k", "--target", f"x={url}", "--data", str(tmp_path / "nope.jsonl"))
     assert res.returncode == 2 and "nope.jsonl: no such file" in res.stderr
+
+
+def test_unknown_baseline_and_changed_settings_are_refused(tmp_path):
+    url = f"http://127.0.0.1:{free_port()}"
+    res = cli("bench", "gsm8k", "--target", f"x={url}", "--data", str(_data(tmp_path)),
+              "--baseline", "y", "--out", str(tmp_path / "o"))  # fmt: skip
+    assert res.returncode == 2 and "--baseline y: no such --target (have: x)" in res.stderr
+    data = _data(tmp_path)
+    items = g.load(data)
+    out = tmp_path / "out"
+    g.prepare(out, g.manifest(data, g.select(items, 10, 0), 0, 10, g.Options()), {"x": "m"}, False)
+    for new, models, needle in (
+        (g.manifest(data, g.select(items, 10, 1), 1, 10, g.Options()), {"x": "m"}, "`indices`"),
+        (g.manifest(data, g.select(items, 10, 0), 0, 10, g.Options(max_tokens=64)), {"x": "m"},
+         "`max_tokens`"),
+        (g.manifest(data, g.select(items, 10, 0), 0, 10, g.Options()), {"x": "other"},
+         "target x served `m` there, now `other`"),
+    ):  # fmt: skip
+        with pytest.raises(g.GSM8KError, match=needle):
+            g.prepare(out, new, models, resume=True)
