@@ -202,7 +202,7 @@ def finished_sweep(mock_pair, tokenizer_dir, tmp_path_factory):
     args = ["bench", "sweep", str(spec), "--target", f"a={base.url}", "--target",
             f"b={cand.url}/v1/", "--tokenizer", str(tokenizer_dir), "--out", str(out),
             "--metrics-url", f"a={metrics['a'].url}", "--metrics-url", f"b={metrics['b'].url}",
-            "--scrape-interval", "0.1"]  # fmt: skip
+            "--scrape-interval", "0.1", "--stall-timeout", "30"]  # fmt: skip
     try:
         p = subprocess.Popen(
             [sys.executable, "-m", "vllm_h20.cli", *args],
@@ -211,12 +211,14 @@ def finished_sweep(mock_pair, tokenizer_dir, tmp_path_factory):
             text=True,
         )
         first = out / "runs" / "a" / "c1-r0.json"
-        deadline = time.time() + 120
+        deadline = time.time() + 240  # room for one stalled GuideLLM and its retry
         while not first.exists() and time.time() < deadline and p.poll() is None:
             time.sleep(0.2)
         time.sleep(1.0)  # inside the second run
         p.send_signal(signal.SIGINT)
         _, err1 = p.communicate(timeout=60)
+        if not first.exists():
+            pytest.fail(f"the sweep finished no run (exit {p.returncode}): {err1[-3000:]}")
         interrupted = {"rc": p.returncode, "stderr": err1, "first": first.read_bytes(),
                        "files": sorted(x.name for x in out.rglob("*.json"))}  # fmt: skip
         res = cli(*args, "--resume")

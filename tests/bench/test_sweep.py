@@ -57,9 +57,8 @@ def test_runs_hold_server_counters_over_guidellm_window(finished_sweep):
         assert gl["requests"]["successful"] > 0 and gl["requests"]["errored"] == 0
         assert gl["output_tokens_per_request"] == 16
         assert gl["ttft_ms"]["p50"] > 0 and gl["itl_ms"]["p99"] > 0
-        assert r["seed"] == spec_mod.load(finished_sweep["spec"]).run_seed(
-            r["concurrency"], r["run"]
-        )
+        base = spec_mod.load(finished_sweep["spec"]).run_seed(r["concurrency"], r["run"])
+        assert r["seed"] == base + 10_000_000 * r["attempt"]  # a retry gets new prompts
 
 
 @pytest.mark.slow
@@ -216,3 +215,31 @@ def test_dry_run_checks_everything_and_writes_nothing(
     first = next(ln for ln in res.stdout.splitlines() if ln.startswith("first run: "))
     assert " -m guidellm run " in first and "streams=1," in first and "model=tiny-model" in first
     assert not out.exists()
+
+
+@pytest.mark.slow
+def test_a_stalled_guidellm_is_retried_once_with_new_prompts(
+    mock_pair, tokenizer_dir, tmp_path, monkeypatch
+):
+    """GuideLLM's stall cannot be produced on demand: the first `run` reports one."""
+    from vllm_h20.bench import sweep as sweep_mod
+    from vllm_h20.bench.guidellm_run import STALLED
+
+    real, calls = sweep_mod.run, []
+
+    def stall_once(cmd, log, timeout):
+        calls.append(timeout)
+        if len(calls) == 1:
+            return STALLED, f"GuideLLM did not finish within {timeout:.0f} s"
+        return real(cmd, log, timeout)
+
+    monkeypatch.setattr(sweep_mod, "run", stall_once)
+    s = spec_mod.load(_one_run_spec(tmp_path))
+    ts = parse_targets((f"a={mock_pair[0].url}",))
+    res = sweep(tmp_path / "out", s, ts, tokenizer_dir, "guidellm", stall_timeout=45)
+    assert (res.ok, res.failed) == (1, [])
+    assert calls == [s.warmup_s + s.measure_s + 45] * 2
+    rec = json.loads((tmp_path / "out/runs/a/c2-r0.json").read_text())
+    assert rec["status"] == "ok" and rec["attempt"] == 1
+    assert rec["seed"] == s.run_seed(2, 0) + 10_000_000
+    assert rec["previous_error"].startswith("GuideLLM did not finish within 46 s")

@@ -97,13 +97,21 @@ _target_opt = click.option(
     help="Seconds between counter reads during a run.",
 )
 @click.option(
+    "--stall-timeout",
+    type=click.FloatRange(min=10),
+    default=300,
+    show_default=True,
+    help="Seconds GuideLLM may take beyond warmup + measurement (its report) before the run "
+    "counts as stalled; a stalled run is retried once with new prompts.",
+)
+@click.option(
     "--dry-run",
     is_flag=True,
     help="Check the spec, targets, metrics, tokenizer and --out; print the plan and the "
     "first GuideLLM command; write nothing.",
 )
 def sweep_cmd(spec, targets, out, tokenizer, throughput_source, metrics_url, resume,
-              scrape_interval, dry_run):  # fmt: skip
+              scrape_interval, stall_timeout, dry_run):  # fmt: skip
     """Run sweep SPEC (benchmarks/sweeps/NAME.yaml or a file) against every --target.
 
     One GuideLLM run per target, concurrency tier and repeat, ordered run by run so drift
@@ -171,7 +179,8 @@ def sweep_cmd(spec, targets, out, tokenizer, throughput_source, metrics_url, res
         sys.exit(0)
     with bar:
         state["task"] = bar.add_task(f"sweep {s.name}", total=None, current="")
-        res = sweep(out, s, ts, tok, throughput_source, resume, on_run, scrape_interval, on_plan)
+        res = sweep(out, s, ts, tok, throughput_source, resume, on_run, scrape_interval, on_plan,
+                    stall_timeout=stall_timeout)  # fmt: skip
     click.echo(
         f"{res.ok} run(s) finished now, {res.skipped} earlier, {len(res.failed)} failed; "
         f"results in {out} (next: vllm-h20 bench report {out})",

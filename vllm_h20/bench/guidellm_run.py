@@ -18,6 +18,7 @@ from typing import Any
 from .spec import SweepSpec
 
 PERCENTILES = ("p50", "p90", "p95", "p99")
+STALLED = 124  # `run`'s exit code for a GuideLLM that did not finish in time
 
 
 @dataclass(frozen=True)
@@ -73,7 +74,7 @@ def run(cmd: list[str], log: Path, timeout: float) -> tuple[int, str]:
             code = p.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
             _stop(p)
-            return 124, f"GuideLLM did not finish within {timeout:.0f} s"
+            return STALLED, f"GuideLLM did not finish within {timeout:.0f} s"
         except BaseException:
             _stop(p)
             raise

@@ -24,7 +24,7 @@ from typing import Any
 from .. import __version__
 from .._io import write_json_atomic
 from . import counters
-from .guidellm_run import RunArgs, command, run, summarize
+from .guidellm_run import STALLED, RunArgs, command, run, summarize
 from .spec import SweepSpec, fingerprint
 from .targets import Target, TargetError, served, server_version, tokenizer_fingerprint
 
@@ -180,14 +180,19 @@ def measure(
     tokenizer: Path,
     source: str,
     scrape_interval: float = 0.5,
+    stall_timeout: float = 300.0,
 ) -> dict[str, Any]:
-    """One run; returns the record written to its run file (status ok or error)."""
+    """One run; returns the record written to its run file (status ok or error).
+
+    GuideLLM gets warmup + measurement + `stall_timeout` seconds (its report of a long,
+    high-concurrency run takes a while); past that the run is `stalled`."""
     path = run_path(out, key)
     path.parent.mkdir(parents=True, exist_ok=True)
     raw = path.with_name(f"{key.stem}.guidellm.json")
     log = path.with_name(f"{key.stem}.log")
     # A retried run gets new prompts: the failed attempt may have left them in the prefix cache.
-    attempt = (read_run(path) or {}).get("attempt", -1) + 1
+    before = read_run(path) or {}
+    attempt = before.get("attempt", -1) + 1
     seed = spec.run_seed(key.concurrency, key.run) + 10_000_000 * attempt
     args = RunArgs(target.url, model, key.concurrency, seed, tokenizer, raw)
     cmd = command(spec, args)
@@ -201,6 +206,7 @@ def measure(
         "run": key.run,
         "seed": args.seed,
         "attempt": attempt,
+        "previous_error": before.get("error"),
         "spec": spec.name,
         "throughput_source": source,
         "started": time.time(),
@@ -223,7 +229,7 @@ def measure(
             f"target {target.name} now serves `{now.model}`, the sweep began with `{model}`"
         )
     raw.unlink(missing_ok=True)
-    timeout = spec.warmup_s + spec.measure_s + 300
+    timeout = spec.warmup_s + spec.measure_s + stall_timeout
     rec_ctx = counters.Recorder(target.metrics_url, scrape_interval) if source == "server" else None
     try:
         with rec_ctx or nullcontext():
@@ -231,6 +237,9 @@ def measure(
     except BaseException:  # interrupted: GuideLLM may have written a report of a cut-off run
         raw.unlink(missing_ok=True)
         raise
+    if code == STALLED:
+        rec["stalled"] = True
+        return done(f"{last} (log: {log})")
     if code != 0 or not raw.is_file():
         return done(f"GuideLLM exited with code {code}: {last} (log: {log})")
     try:
@@ -291,9 +300,14 @@ def sweep(
     scrape_interval: float = 0.5,
     on_plan: Callable[[int, int], None] | None = None,
     dry_run: bool = False,
+    stall_timeout: float = 300.0,
 ) -> SweepResult:
     """Run what is missing; `on_plan(total, to_run)` once, then `on_run(key, None)` before
-    and `on_run(key, record)` after each run."""
+    and `on_run(key, record)` after each run.
+
+    A run whose GuideLLM stalls is run once more at once, with new prompts: GuideLLM
+    sometimes never finishes a benchmark that has ended (vllm-project/guidellm#431, #1152;
+    seen here with 0.8.1, and a rerun completes)."""
     if source not in SOURCES:
         raise SweepError(f"--throughput-source {source}: expected one of {SOURCES}")
     man = prepare(out, spec, targets, tokenizer, source, resume, dry_run)
@@ -315,7 +329,11 @@ def sweep(
         if on_run:
             on_run(k, None)
         model = man["targets"][k.target]["model"]
-        rec = measure(out, spec, by_name[k.target], model, k, tokenizer, source, scrape_interval)
+        for _ in range(2):
+            rec = measure(out, spec, by_name[k.target], model, k, tokenizer, source,
+                          scrape_interval, stall_timeout)  # fmt: skip
+            if not rec.get("stalled"):
+                break
         if rec["status"] == "ok":
             res.ok += 1
         else:
