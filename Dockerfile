@@ -1,5 +1,6 @@
-# vllm-h20 on the official vLLM OpenAI server image, with the patched FlashInfer SM90
-# fused-MoE module prebuilt so a container starts without the ~40-minute JIT build.
+# vllm-h20 on the official vLLM OpenAI server image, with the reduced fix module (FlashInfer's
+# SM90 FP8 block-scale fused MoE from the patched sources) prebuilt, so a container starts
+# without compiling it on its first MoE call (101 s on 16 cores; benchmarks/results/).
 #
 #   docker build -t vllm-h20 --build-arg MAX_JOBS=32 .
 #   docker run --gpus all --ipc=host --shm-size 32g -p 8000:8000 \
@@ -9,7 +10,9 @@
 FROM vllm/vllm-openai:v0.33.0
 
 # Which SM90 fused-MoE variant to prebuild: h20 (FlashInfer's 78-SM variant) or generic
-# (H100/H200). The build runs on the CPU: no GPU is needed.
+# (H100/H200). The build runs on the CPU: no GPU is needed. Add `--dispatch both` to the
+# kernels build line for an image that also serves the unpatched A/B baseline
+# (VLLM_H20_MOE_DISPATCH=stock).
 ARG KERNEL_VARIANT=h20
 ARG MAX_JOBS=16
 

@@ -29,7 +29,8 @@ def patches():
 
 @pytest.fixture
 def fake_fi(tmp_path, installed_fi, patches) -> Callable[..., flashinfer_src.FlashInferSource]:
-    def make(state: str = "stock", version: str = "9.9.9") -> flashinfer_src.FlashInferSource:
+    def make(state: str = "stock", version: str | None = None) -> flashinfer_src.FlashInferSource:
+        version = version or installed_fi.version  # a release vllm-h20 supports
         root = tmp_path / f"fi-{state}"
         pkg = root / "flashinfer"
         for p in patches:
@@ -57,3 +58,18 @@ def fake_fi(tmp_path, installed_fi, patches) -> Callable[..., flashinfer_src.Fla
         return src
 
     return make
+
+
+@pytest.fixture
+def jit_spec(installed_fi, monkeypatch, tmp_path):
+    """FlashInfer's own spec for the SM90 fused-MoE module (no GPU needed with an arch list)."""
+    monkeypatch.setenv("FLASHINFER_CUDA_ARCH_LIST", "9.0a")
+    monkeypatch.setenv("FLASHINFER_WORKSPACE_BASE", str(tmp_path / "ws"))
+    import importlib
+
+    import flashinfer.jit.env as jit_env
+
+    importlib.reload(jit_env)  # FlashInfer reads its workspace base at import
+    from flashinfer.jit import fused_moe
+
+    return fused_moe.gen_cutlass_fused_moe_sm90_module()

@@ -20,15 +20,28 @@ def cli(*args: str, **env: str) -> subprocess.CompletedProcess:
     )
 
 
-def test_kernels_status_reports_versions_fix_and_cache(installed_fi, tmp_path):
-    r = cli("kernels", "status", "--json", VLLM_H20_CACHE_DIR=str(tmp_path))
+def test_kernels_status_says_which_module_serves_which_call(installed_fi, tmp_path):
+    env = {"VLLM_H20_CACHE_DIR": str(tmp_path), "FLASHINFER_WORKSPACE_BASE": str(tmp_path / "w")}
+    r = cli("kernels", "status", "--json", **env)
     assert r.returncode == 0, r.stderr
     s = json.loads(r.stdout)
-    assert s["flashinfer"] == installed_fi.version
-    assert s["fix_state"] == "needs-patch" and s["overlay"].startswith(str(tmp_path))
-    assert s["built"] == [] and s["module_prefix"].startswith("fused_moe_90*_vllm_h20_")
-    r = cli("kernels", "status", VLLM_H20_CACHE_DIR=str(tmp_path), VLLM_H20_MOE_DISPATCH="stock")
+    assert s["flashinfer"] == installed_fi.version and s["fix_state"] == "needs-patch"
+    assert s["patches"] == [f"flashinfer/{p.name}" for p in
+                            sorted((ROOT / "patches" / "flashinfer").glob("*.patch"))]  # fmt: skip
+    assert s["routes"] == [
+        "cutlass_fused_moe(use_deepseek_fp8_block_scale=True) -> the reduced fix module "
+        "(patched sources, per-expert expected_m)",
+        "every other cutlass_fused_moe call -> FlashInfer's own SM90 fused-MoE module "
+        "(built by FlashInfer on first use)",
+    ]
+    assert s["built"] == []
+    r = cli("kernels", "status", VLLM_H20_MOE_DISPATCH="stock", **env)
     assert r.returncode == 1 and "VLLM_H20_MOE_DISPATCH=stock" in r.stdout
+    assert "the reduced stock module (unpatched sources" in r.stdout
+    r = cli("kernels", "status", "--json", VLLM_H20_MOE_MODULE="full", **env)
+    assert r.returncode == 0 and json.loads(r.stdout)["routes"] == [
+        "every cutlass_fused_moe call -> FlashInfer's whole module, patched"
+    ]
     r = cli("kernels", "status", VLLM_H20_MOE_DISPATCH="nope")
     assert r.returncode == 2 and r.stderr.startswith("error: VLLM_H20_MOE_DISPATCH='nope'")
 
@@ -60,15 +73,22 @@ def test_patches_export_writes_patches_pr_text_and_evidence(tmp_path):
     assert "<measured" not in pr  # the placeholder in the commit message is replaced
     (results / "moe_dispatch_h200.md").write_text("| tokens | x |\n|---|---|\n| 288 | 1.1 |\n")
     (results / "moe_dispatch_h200.json").write_text("{}")
+    (results / "fused_moe_h200.md").write_text("| fused | 1.2 |\n")
     (results / "unrelated.md").write_text("x")
     out = tmp_path / "pr1"
     r = cli("patches", "export", str(out), "--results", str(results))
     assert r.returncode == 0, r.stderr
     assert sorted(p.name for p in (out / "evidence").iterdir()) == [
+        "fused_moe_h200.md",
         "moe_dispatch_h200.json",
         "moe_dispatch_h200.md",
     ]
     assert "| 288 | 1.1 |" in (out / "PR.md").read_text()
+    assert "| fused | 1.2 |" in (out / "PR.md").read_text()
+    variant = ROOT / "patches" / "flashinfer" / "v0.6.14"
+    assert [p.read_bytes() for p in sorted((out / "v0.6.14").glob("*.patch"))] == [
+        p.read_bytes() for p in sorted(variant.glob("*.patch"))
+    ]
     shipped = sorted((ROOT / "patches" / "flashinfer").glob("*.patch"))
     assert [p.read_bytes() for p in sorted(out.glob("*.patch"))] == [
         p.read_bytes() for p in shipped
@@ -77,15 +97,39 @@ def test_patches_export_writes_patches_pr_text_and_evidence(tmp_path):
     assert r.returncode == 2 and "not empty" in r.stderr
 
 
-def test_kernels_build_dry_run_prepares_the_patched_module(installed_fi, tmp_path):
+def test_kernels_build_dry_run_prepares_the_reduced_modules(installed_fi, tmp_path):
     env = {
         "VLLM_H20_CACHE_DIR": str(tmp_path / "c"),
         "FLASHINFER_WORKSPACE_BASE": str(tmp_path / "w"),
     }
-    r = cli("kernels", "build", "--dry-run", "--variant", "generic", **env)
+    r = cli("kernels", "build", "--dry-run", "--dispatch", "both", "--variant", "generic",
+            "--json", **env)  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    built = json.loads(r.stdout)
+    assert [b["dispatch"] for b in built] == ["per_expert", "stock"]
+    assert built[0]["module"].startswith("fused_moe_90_vllm_h20_bs_fix_")
+    assert built[1]["module"].startswith("fused_moe_90_vllm_h20_bs_stock_")
+    assert all(b["objects"] == 16 for b in built)
+    # The fix compiles three sources that include patched files; the stock module none.
+    assert sorted(Path(t).name for t in built[0]["plan"]["touched"]) == [
+        "flashinfer_cutlass_fused_moe_binding.cu",
+        "fp8_blockscale_gemm.cu",
+        "vllm_h20_cutlass_fused_moe_instantiation.cu",
+    ]
+    assert built[1]["plan"]["touched"] == []
+    ninja = sorted((tmp_path / "w").rglob("fused_moe_90_vllm_h20_bs_*/build.ninja"))
+    assert len(ninja) == 2 and not list(ninja[0].parent.glob("*.o"))
+
+
+def test_kernels_build_dry_run_of_the_full_module(installed_fi, tmp_path):
+    env = {
+        "VLLM_H20_CACHE_DIR": str(tmp_path / "c"),
+        "FLASHINFER_WORKSPACE_BASE": str(tmp_path / "w"),
+    }
+    r = cli("kernels", "build", "--dry-run", "--module", "full", "--variant", "generic", **env)
     assert r.returncode == 0, r.stderr
     assert "would build fused_moe_90_vllm_h20_" in r.stderr
     assert "3 of them from patched sources" in r.stderr
     assert str(tmp_path / "c" / "flashinfer" / installed_fi.version) in r.stderr
-    ninja = list((tmp_path / "w").rglob("fused_moe_90_vllm_h20_*/build.ninja"))
-    assert len(ninja) == 1 and not list(ninja[0].parent.glob("*.o"))
+    r = cli("kernels", "build", "--dry-run", "--module", "full", "--dispatch", "stock", **env)
+    assert r.returncode == 2 and "FlashInfer builds its own" in r.stderr

@@ -81,21 +81,6 @@ def test_cache_root_follows_the_environment(monkeypatch, tmp_path):
     assert overlay.cache_root() == tmp_path / "x" / "vllm-h20"
 
 
-@pytest.fixture
-def jit_spec(installed_fi, monkeypatch, tmp_path):
-    """FlashInfer's own spec for the SM90 fused-MoE module (no GPU needed with an arch list)."""
-    monkeypatch.setenv("FLASHINFER_CUDA_ARCH_LIST", "9.0a")
-    monkeypatch.setenv("FLASHINFER_WORKSPACE_BASE", str(tmp_path / "ws"))
-    import importlib
-
-    import flashinfer.jit.env as jit_env
-
-    importlib.reload(jit_env)  # FlashInfer reads its workspace base at import
-    from flashinfer.jit import fused_moe
-
-    return fused_moe.gen_cutlass_fused_moe_sm90_module()
-
-
 def test_patched_spec_moves_the_build_onto_the_overlay(installed_fi, patches, jit_spec, tmp_path):
     a, ov = _built(installed_fi, patches, tmp_path)
     spec = overlay.patched_spec(jit_spec, ov)

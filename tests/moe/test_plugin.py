@@ -78,14 +78,27 @@ def test_hook_runs_after_import_and_for_already_imported_modules(tmp_path, monke
     assert not any(isinstance(f, hook._AfterImport) for f in sys.meta_path)
 
 
-def test_dispatch_env_switch(installed_fi, patches):
+def test_dispatch_settings(installed_fi, patches):
     assert dispatch.requested_mode({}) == "per_expert"
+    fix = dispatch.decide({}, src=installed_fi, patches=patches)
+    assert fix.route == "fix" and not fix.overlay and fix.per_expert and not fix.warn
+    assert "reduced fix module" in fix.message and "patch series flashinfer" in fix.message
     stock = dispatch.decide({dispatch.ENV: "stock"}, src=installed_fi, patches=patches)
-    assert not stock.overlay and "VLLM_H20_MOE_DISPATCH=stock" in stock.message
-    fixed = dispatch.decide({dispatch.ENV: "per_expert"}, src=installed_fi, patches=patches)
-    assert fixed.overlay and fixed.assessment.state is FixState.NEEDS_PATCH
-    with pytest.raises(dispatch.DispatchConfigError, match="'fast' is not one of per_expert"):
-        dispatch.decide({dispatch.ENV: "fast"})
+    assert stock.route == "stock" and not stock.per_expert
+    assert "VLLM_H20_MOE_DISPATCH=stock" in stock.message and "unpatched" in stock.message
+    full = dispatch.decide({dispatch.MODULE_ENV: "full"}, src=installed_fi, patches=patches)
+    assert full.overlay and full.route is None and full.per_expert
+    assert full.assessment.state is FixState.NEEDS_PATCH
+    none = dispatch.decide({dispatch.ENV: "stock", dispatch.MODULE_ENV: "full"})
+    assert not none.overlay and none.route is None and "FlashInfer unchanged" in none.message
+    assert dispatch.decide({dispatch.STRICT_ENV: "1"}, src=installed_fi, patches=patches).strict
+    for env, says in [
+        ({dispatch.ENV: "fast"}, "'fast' is not one of per_expert, stock"),
+        ({dispatch.MODULE_ENV: "tiny"}, "'tiny' is not one of reduced, full"),
+        ({dispatch.STRICT_ENV: "yes"}, "is not 0 or 1"),
+    ]:
+        with pytest.raises(dispatch.DispatchConfigError, match=says):
+            dispatch.decide(env)
 
 
 @pytest.mark.parametrize(
@@ -96,10 +109,15 @@ def test_dispatch_env_switch(installed_fi, patches):
         ("conflict", "STOCK (fix not applied)", True),
     ],
 )
-def test_no_overlay_unless_the_sources_need_it(fake_fi, patches, state, says, warn):
+def test_no_fix_module_unless_the_sources_need_it(fake_fi, patches, state, says, warn):
     d = dispatch.decide({}, src=fake_fi(state), patches=patches)
-    assert not d.overlay
+    assert not d.overlay and d.route is None
     assert says in d.message and d.warn is warn
+
+
+def test_a_conflict_is_an_error_when_strict(fake_fi, patches):
+    with pytest.raises(dispatch.DispatchConfigError, match="VLLM_H20_STRICT=1"):
+        dispatch.decide({dispatch.STRICT_ENV: "1"}, src=fake_fi("conflict"), patches=patches)
 
 
 VLLM_RUN = """
@@ -111,9 +129,11 @@ VLLM_RUN = """
     load_general_plugins()
     assert "flashinfer.fused_moe.core" not in sys.modules
     import flashinfer.fused_moe.core as core
-    gen = core.gen_cutlass_fused_moe_sm90_module
-    out = {"wrapped": getattr(gen, "vllm_h20", False)}
-    if out["wrapped"]:
+    get, gen = core.get_cutlass_fused_moe_module, core.gen_cutlass_fused_moe_sm90_module
+    out = {"router": getattr(get, "vllm_h20", False), "whole": getattr(gen, "vllm_h20", False)}
+    if out["router"]:
+        out["sm90"] = type(get("90")).__name__
+    if out["whole"]:
         spec = gen()
         out.update(name=spec.name, first=str(spec.sources[0]))
     print("RESULT " + json.dumps(out))
@@ -128,7 +148,7 @@ def _vllm_result(**env):
 
 
 @pytest.mark.vllm
-def test_vllm_loads_the_plugin_and_flashinfer_builds_from_the_overlay(installed_fi, tmp_path):
+def test_vllm_loads_the_plugin_and_flashinfer_routes_block_scale_calls(installed_fi, tmp_path):
     pytest.importorskip("vllm")
     env = dict(
         VLLM_H20_CACHE_DIR=str(tmp_path / "c"),
@@ -136,16 +156,23 @@ def test_vllm_loads_the_plugin_and_flashinfer_builds_from_the_overlay(installed_
         FLASHINFER_CUDA_ARCH_LIST="9.0a",
     )
     res, log = _vllm_result(**env)
-    assert res["wrapped"], log
-    assert res["name"].startswith("fused_moe_90") and "_vllm_h20_" in res["name"]
-    assert res["first"].startswith(str(tmp_path / "c" / "flashinfer" / installed_fi.version))
+    assert res == {"router": True, "whole": False, "sm90": "Sm90Routes"}, log
     assert log.count("vllm-h20: MoE dispatch: per-expert expected_m") == 1
+    assert "runs on the reduced fix module" in log
 
     res, log = _vllm_result(VLLM_H20_MOE_DISPATCH="stock", **env)
-    assert not res["wrapped"] and "VLLM_H20_MOE_DISPATCH=stock" in log
+    assert res["router"] and not res["whole"] and "VLLM_H20_MOE_DISPATCH=stock" in log
+
+    res, log = _vllm_result(VLLM_H20_MOE_MODULE="full", **env)
+    assert res["whole"] and not res["router"], log
+    assert res["name"].startswith("fused_moe_90") and "_vllm_h20_" in res["name"]
+    assert res["first"].startswith(str(tmp_path / "c" / "flashinfer" / installed_fi.version))
+
+    res, log = _vllm_result(VLLM_H20_MOE_DISPATCH="stock", VLLM_H20_MOE_MODULE="full", **env)
+    assert res == {"router": False, "whole": False} and "FlashInfer unchanged" in log
 
     res, log = _vllm_result(VLLM_PLUGINS="some_other_plugin", **env)
-    assert not res["wrapped"] and "vllm-h20" not in log
+    assert res == {"router": False, "whole": False} and "vllm-h20" not in log
 
 
 def test_missing_patches_warn_and_keep_flashinfer_stock(installed_fi, monkeypatch, tmp_path):

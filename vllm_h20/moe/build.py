@@ -83,18 +83,96 @@ def find_cublas_include(cuda_home: str | None) -> str | None:
     return None
 
 
+_DRIVER_API = re.compile(r"\bCUDAAPI\s+(cu[A-Za-z0-9_]+)\s*\(")
+_DRIVER_ALIAS = re.compile(r"^\s*#\s*define\s+(cu[A-Za-z0-9_]+)\s+(cu[A-Za-z0-9_]+)\b", re.M)
+
+
+def driver_api_names(cuda_h: Path) -> list[str]:
+    """Every CUDA driver API entry point cuda.h declares, under the names callers link to
+    (`cuMemAlloc` is `#define`d to `cuMemAlloc_v2`: both are listed)."""
+    text = cuda_h.read_text(encoding="utf-8", errors="replace")
+    names = set(_DRIVER_API.findall(text))
+    names |= {b for _a, b in _DRIVER_ALIAS.findall(text)}
+    return sorted(names)
+
+
+def _shim_dir(cache: Path) -> Path:
+    d = cache / "link-shims"
+    d.mkdir(parents=True, exist_ok=True)
+    return d
+
+
+def link_shims(cuda_home: str | None, cache: Path) -> Path | None:
+    """A directory with what FlashInfer's link line (`-lcudart -lcuda -lnvrtc`) needs and this
+    toolkit lacks, so a JIT module links on a machine without a GPU driver or a full toolkit:
+    `libnvrtc.so`/`libcudart.so` pointing at the nvidia-* wheels' copies, and a link-time
+    `libcuda.so` stub (what the toolkit's lib64/stubs holds: every driver API entry point of
+    cuda.h, SONAME libcuda.so.1; the real driver is what loads at run time). None if nothing
+    is missing."""
+    if not cuda_home:
+        return None
+    lib64 = Path(cuda_home) / "lib64"
+    made = False
+    out = _shim_dir(cache)
+    for name in ("nvrtc", "cudart"):
+        if (lib64 / f"lib{name}.so").exists():
+            continue
+        import importlib.util
+
+        spec = importlib.util.find_spec("nvidia")
+        for base in spec.submodule_search_locations if spec else []:
+            hits = sorted(Path(base).glob(f"*/lib/lib{name}.so.[0-9]*"))
+            if hits:
+                link = out / f"lib{name}.so"
+                if not link.is_symlink() or link.resolve() != hits[0].resolve():
+                    link.unlink(missing_ok=True)
+                    link.symlink_to(hits[0])
+                made = True
+                break
+    has_driver = (lib64 / "stubs" / "libcuda.so").exists() or (lib64 / "libcuda.so").exists()
+    cuda_h = Path(cuda_home) / "include" / "cuda.h"
+    if not has_driver and cuda_h.is_file():
+        stub = out / "libcuda.so"
+        if not stub.exists():
+            src = out / "libcuda_stub.c"
+            src.write_text(
+                "/* link-time stub of the CUDA driver API, made by vllm-h20 from cuda.h */\n"
+                + "".join(f"void {n}(void) {{}}\n" for n in driver_api_names(cuda_h))
+            )
+            tmp = out / f".libcuda.so.tmp-{os.getpid()}"
+            subprocess.run(
+                ["cc", "-shared", "-fPIC", "-Wl,-soname,libcuda.so.1", str(src), "-o", str(tmp)],
+                check=True, capture_output=True,
+            )  # fmt: skip
+            os.replace(tmp, stub)
+        soname = out / "libcuda.so.1"  # for a loader on a machine with no driver (CPU tests)
+        if not soname.is_symlink():
+            soname.symlink_to("libcuda.so")
+        made = True
+    return out if made else None
+
+
 def jit_env(
     workspace: Path | None = None, arch: str | None = None, cache: Path | None = None
 ) -> dict[str, str]:
     """Environment for building FlashInfer JIT modules on a machine that may have no GPU."""
+    from .overlay import cache_root
+
     env = dict(os.environ)
     cuda_home = find_cuda_home()
     if cuda_home:
         env["CUDA_HOME"] = cuda_home
+    shims = link_shims(cuda_home, cache or cache_root())
+    if shims is not None:
+        extra = env.get("FLASHINFER_EXTRA_LDFLAGS", "")
+        if f"-L{shims}" not in extra:
+            env["FLASHINFER_EXTRA_LDFLAGS"] = f"{extra} -L{shims}".strip()
     cublas = find_cublas_include(cuda_home)
-    if cublas:
-        extra = env.get("FLASHINFER_EXTRA_CUDAFLAGS", "")
-        env["FLASHINFER_EXTRA_CUDAFLAGS"] = f"{extra} -isystem {cublas}".strip()
+    if cublas:  # nvcc and the host compiler (the module's .cpp files include cudaUtils.h)
+        for var in ("FLASHINFER_EXTRA_CUDAFLAGS", "FLASHINFER_EXTRA_CFLAGS"):
+            extra = env.get(var, "")
+            if cublas not in extra:
+                env[var] = f"{extra} -isystem {cublas}".strip()
     if arch:
         env["FLASHINFER_CUDA_ARCH_LIST"] = arch
     if workspace is not None:
@@ -158,13 +236,8 @@ def plan(variant: str = "auto", cache: Path | None = None) -> tuple[BuildPlan, O
     from . import dispatch
     from .overlay import overlay_for
 
-    if variant != "auto":
-        hook = getattr(jit_fused_moe, "_should_enable_sm90_moe_prebuilt_d_descriptor", None)
-        if hook is None and variant == "h20":
-            raise BuildError("this FlashInfer has no H20 (prebuilt-D) fused-MoE variant")
-        if hook is not None:
-            jit_fused_moe._should_enable_sm90_moe_prebuilt_d_descriptor = lambda: variant == "h20"
-    decision = dispatch.decide(env={dispatch.ENV: "per_expert"})
+    select_variant(variant)
+    decision = dispatch.decide(env={dispatch.ENV: "per_expert", dispatch.MODULE_ENV: "full"})
     if not decision.overlay:
         raise BuildError(decision.message)
     stock_gen = jit_fused_moe.gen_cutlass_fused_moe_sm90_module
@@ -192,15 +265,36 @@ def plan(variant: str = "auto", cache: Path | None = None) -> tuple[BuildPlan, O
     )
 
 
+def select_variant(variant: str) -> None:
+    """Make FlashInfer's SM90 fused-MoE spec the H20 (78-SM prebuilt-D) or generic variant
+    regardless of the visible GPU; "auto" leaves FlashInfer's own choice."""
+    if variant == "auto":
+        return
+    from flashinfer.jit import fused_moe as jit_fused_moe
+
+    hook = getattr(jit_fused_moe, "_should_enable_sm90_moe_prebuilt_d_descriptor", None)
+    if hook is None and variant == "h20":
+        raise BuildError("this FlashInfer has no H20 (prebuilt-D) fused-MoE variant")
+    if hook is not None:
+        jit_fused_moe._should_enable_sm90_moe_prebuilt_d_descriptor = lambda: variant == "h20"
+
+
+@dataclass(frozen=True)
+class NinjaFile:
+    """A build directory and its ninja file: what `run_ninja` needs of a plan or a JitSpec."""
+
+    build_dir: str
+    ninja_file: str
+
+    @classmethod
+    def of(cls, spec) -> NinjaFile:
+        return cls(str(spec.build_dir), str(spec.ninja_path))
+
+
 def _objects_from_ninja(ninja_file: Path) -> dict[str, str]:
-    """source -> object, as the ninja file names them (FlashInfer's naming changed across
-    versions, so read it rather than recompute it)."""
-    out = {}
-    for line in ninja_file.read_text().splitlines():
-        m = re.match(r"^build (\S+\.o): \S*compile (\S+)", line)
-        if m:
-            out[m.group(2)] = m.group(1)
-    return out
+    from .reduced import object_map
+
+    return object_map(ninja_file)
 
 
 def plan_in_subprocess(
@@ -240,7 +334,7 @@ def ninja_binary() -> str:
 
 
 def run_ninja(
-    plan: BuildPlan,
+    plan: BuildPlan | NinjaFile,
     targets: list[str] | None,
     jobs: int,
     env: Mapping[str, str],
@@ -269,9 +363,10 @@ def run_ninja(
         if out:
             out.close()
     if rc != 0:
-        errors = [t for t in tail if "error" in t.lower()] or tail[-3:]
+        from .reduced import first_error
+
         where = f"; full log: {log}" if log else ""
-        raise BuildError(f"ninja failed (exit {rc}): {errors[0][:300]}{where}")
+        raise BuildError(f"ninja failed (exit {rc}): {first_error(tail)[:300]}{where}")
 
 
 def headers_used(plan: BuildPlan, obj: str) -> list[str]:

@@ -3,10 +3,12 @@ upstream patches it is built from."""
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.metadata
 import json
 import os
 import shutil
+import subprocess
 import sys
 import tempfile
 import time
@@ -28,11 +30,39 @@ def _version(dist: str) -> str:
         return "not installed"
 
 
-def _built_modules(src: flashinfer_src.FlashInferSource, key: str) -> list[Path]:
-    """Patched modules already in FlashInfer's JIT cache (any arch, generic or H20 variant)."""
+def _jit_root(version: str) -> Path:
     base = Path(os.environ.get("FLASHINFER_WORKSPACE_BASE", Path.home()))
-    root = base / ".cache" / "flashinfer" / src.version
-    return sorted(root.glob(f"*/cached_ops/*_vllm_h20_{key[:8]}/*_vllm_h20_{key[:8]}.so"))
+    return base / ".cache" / "flashinfer" / version
+
+
+def _built_modules(src: flashinfer_src.FlashInferSource, key: str) -> list[Path]:
+    """Patched full modules already in FlashInfer's JIT cache (any arch, generic or H20)."""
+    return sorted(
+        _jit_root(src.version).glob(f"*/cached_ops/*_vllm_h20_{key[:8]}/*_vllm_h20_{key[:8]}.so")
+    )
+
+
+def _built_reduced(src: flashinfer_src.FlashInferSource) -> list[Path]:
+    """Reduced block-scale modules (fix and stock) already in FlashInfer's JIT cache."""
+    return sorted(_jit_root(src.version).glob("*/cached_ops/*_vllm_h20_bs_*/*_vllm_h20_bs_*.so"))
+
+
+def _routes(decision: dispatch.Decision) -> list[tuple[str, str]]:
+    """(call, what vLLM runs it on) for the SM90 fused MoE under a decision."""
+    flashinfer = "FlashInfer's own SM90 fused-MoE module (built by FlashInfer on first use)"
+    if decision.route is not None:
+        which = (
+            "the reduced fix module (patched sources, per-expert expected_m)"
+            if decision.route == "fix"
+            else "the reduced stock module (unpatched sources: the A/B baseline)"
+        )
+        return [
+            ("cutlass_fused_moe(use_deepseek_fp8_block_scale=True)", which),
+            ("every other cutlass_fused_moe call", flashinfer),
+        ]
+    if decision.overlay:
+        return [("every cutlass_fused_moe call", "FlashInfer's whole module, patched")]
+    return [("every cutlass_fused_moe call", flashinfer)]
 
 
 # --------------------------------------------------------------------------- kernels
@@ -40,18 +70,24 @@ def _built_modules(src: flashinfer_src.FlashInferSource, key: str) -> list[Path]
 
 @click.group()
 def kernels() -> None:
-    """The patched FlashInfer SM90 fused-MoE module that the vLLM plugin makes vLLM use.
+    """The FlashInfer SM90 fused-MoE modules the vLLM plugin makes vLLM use.
+
+    By default vLLM runs FP8 block-scale MoE calls on a reduced module (that path only, built
+    in minutes) made from the patched sources; VLLM_H20_MOE_DISPATCH=stock makes it the same
+    reduced module from FlashInfer's own sources (the A/B baseline); VLLM_H20_MOE_MODULE=full
+    patches FlashInfer's whole module instead (~40 min on 16 cores).
 
     \b
-      vllm-h20 kernels status          what is installed, fixed, built
-      vllm-h20 kernels build -j 16     prebuild it (else vLLM builds it on first use)
+      vllm-h20 kernels status                   which module vLLM loads for which call
+      vllm-h20 kernels build                    prebuild the fix module
+      vllm-h20 kernels build --dispatch both    ... and the stock one, for A/B runs
     """
 
 
 @kernels.command()
 @click.option("--json", "as_json", is_flag=True, help="Print the status as JSON on stdout.")
 def status(as_json: bool) -> None:
-    """Versions, whether FlashInfer needs the fix, and the build cache state.
+    """Versions, settings, which module vLLM loads for which MoE call, and what is built.
 
     Exit code 0 when vLLM would run the per-expert dispatch (patched or already fixed), 1 when
     it would run the stock kernel choice."""
@@ -61,32 +97,28 @@ def status(as_json: bool) -> None:
         "torch": _version("torch"),
         "flashinfer": None,
         "dispatch_env": os.environ.get(dispatch.ENV, "per_expert (default)"),
+        "module_env": os.environ.get(dispatch.MODULE_ENV, "reduced (default)"),
+        "strict_env": os.environ.get(dispatch.STRICT_ENV, "0 (default)"),
     }
     try:
         decision = dispatch.decide()
     except dispatch.DispatchConfigError as e:
         _fail(str(e))
     info["active"] = decision.message
+    info["routes"] = [f"{call} -> {where}" for call, where in _routes(decision)]
     if decision.src is not None:
         src = decision.src
-        patches = overlay.shipped_patches()
-        ov = overlay.overlay_for(src, patches)
-        built = _built_modules(src, ov.key)
-        info.update(
-            flashinfer=src.version,
-            flashinfer_dir=str(src.package_dir),
-            fix_state=decision.assessment.state.value if decision.assessment else None,
-            fix_detail=decision.assessment.detail if decision.assessment else None,
-            patches=[p.name for p in patches],
-            overlay=str(ov.root),
-            overlay_ready=ov.complete,
-            module_prefix=f"fused_moe_90*_vllm_h20_{ov.key[:8]}",
-            built=[str(b) for b in built],
-        )
-    per_expert = decision.overlay or (
-        decision.assessment is not None
-        and decision.assessment.state in (overlay.FixState.HAS_FIX, overlay.FixState.FIXED_UPSTREAM)
-    )
+        info.update(flashinfer=src.version, flashinfer_dir=str(src.package_dir))
+        if decision.assessment is not None:
+            info.update(
+                fix_state=decision.assessment.state.value,
+                fix_detail=decision.assessment.detail,
+                patches=[f"{overlay.series_name(src.version)}/{p.name}" for p in decision.patches],
+            )
+        built = _built_reduced(src)
+        if decision.patches:
+            built += _built_modules(src, overlay.overlay_for(src, decision.patches).key)
+        info["built"] = [str(b) for b in built]
     if as_json:
         click.echo(json.dumps(info, indent=2))
     else:
@@ -98,12 +130,12 @@ def status(as_json: bool) -> None:
                 v = "\n".join(v) if v else "none"
             t.add_row(k, str(v))
         make_console().print(t)
-        if decision.overlay and not info.get("built"):
+        if (decision.route or decision.overlay) and not info.get("built"):
             click.echo(
-                "The patched module is not built yet: vLLM builds it on first use (long), "
+                "Nothing is built yet: vLLM builds the module on its first MoE call, "
                 "or run `vllm-h20 kernels build` now."
             )
-    sys.exit(0 if per_expert else EXIT_CHECK_FAILED)
+    sys.exit(0 if decision.per_expert else EXIT_CHECK_FAILED)
 
 
 @kernels.command()
@@ -111,6 +143,21 @@ def status(as_json: bool) -> None:
     "-j", "--jobs", type=click.IntRange(min=1), default=None,
     help="Parallel compile jobs. Default: $MAX_JOBS, else the CPU count. Each needs ~4 GB RAM.",
 )  # fmt: skip
+@click.option(
+    "--dispatch",
+    "dispatch_",
+    type=click.Choice(["per_expert", "stock", "both"]),
+    default="per_expert",
+    show_default=True,
+    help="Which reduced module: the fix (per_expert), the unpatched A/B baseline (stock), or both.",
+)
+@click.option(
+    "--module",
+    type=click.Choice(["reduced", "full"]),
+    default=None,
+    help="reduced: the FP8 block-scale path only (default, minutes); full: FlashInfer's whole "
+    "SM90 module from the patched sources (~250 objects). Default: $VLLM_H20_MOE_MODULE.",
+)
 @click.option(
     "--variant",
     type=click.Choice(["auto", "h20", "generic"]),
@@ -125,18 +172,29 @@ def status(as_json: bool) -> None:
     metavar="LIST",
     help="FLASHINFER_CUDA_ARCH_LIST for the build. Default: the GPU's, or 9.0a without a GPU.",
 )
+@click.option("--clean", is_flag=True, help="Delete the module's build directory first.")
 @click.option("--log", type=click.Path(path_type=Path), default=None, help="Write ninja's log.")
 @click.option(
-    "--dry-run", is_flag=True, help="Prepare the patched sources and ninja file; compile nothing."
+    "--dry-run", is_flag=True, help="Prepare the sources and ninja file; compile nothing."
 )
+@click.option("--json", "as_json", is_flag=True, help="Print what was built as JSON on stdout.")
 def build(
-    jobs: int | None, variant: str, arch: str | None, log: Path | None, dry_run: bool
+    jobs: int | None,
+    dispatch_: str,
+    module: str | None,
+    variant: str,
+    arch: str | None,
+    clean: bool,
+    log: Path | None,
+    dry_run: bool,
+    as_json: bool,
 ) -> None:
-    """Build the patched SM90 fused-MoE module into FlashInfer's JIT cache.
+    """Build the module vLLM will load into FlashInfer's JIT cache (no GPU needed).
 
-    The module is FlashInfer's own (same sources, flags and ninja file), compiled from the
-    patched overlay under a distinct name; vLLM then loads it instead of building it on the
-    first request. The full module is ~250 objects: about 40 minutes on 16 cores."""
+    The reduced module is FlashInfer's own build (same flags and ninja file) of the sources the
+    FP8 block-scale path compiles, FlashInfer's SM90 FP8 grouped GEMMs (FAST_BUILD), and stubs
+    for the rest; the link is checked for undefined symbols. vLLM then loads it instead of
+    compiling on its first MoE call."""
     from . import build as b
 
     if arch is None and not os.environ.get("FLASHINFER_CUDA_ARCH_LIST") and not _has_gpu():
@@ -145,10 +203,110 @@ def build(
     os.environ.update(env)
     jobs = jobs or int(os.environ.get("MAX_JOBS", 0)) or os.cpu_count() or 1
     try:
+        module = module or dispatch.settings().module
+    except dispatch.DispatchConfigError as e:
+        _fail(str(e))
+    console = make_console(stderr=True)
+    if module == "full":
+        if dispatch_ != "per_expert":
+            _fail("--module full builds only the patched module: FlashInfer builds its own")
+        _build_full(b, jobs, variant, log, dry_run, console, env, clean)
+        return
+    modes = ["per_expert", "stock"] if dispatch_ == "both" else [dispatch_]
+    results = []
+    for mode in modes:
+        results.append(_build_reduced(b, mode, jobs, variant, log, dry_run, clean, console))
+    if as_json:
+        click.echo(json.dumps(results, indent=2))
+
+
+def _build_reduced(b, mode, jobs, variant, log, dry_run, clean, console) -> dict:
+    from . import reduced
+
+    try:
+        b.select_variant(variant)
+        decision = dispatch.decide(env={dispatch.ENV: mode, dispatch.MODULE_ENV: "reduced"})
+    except (b.BuildError, dispatch.DispatchConfigError) as e:
+        _fail(str(e))
+    if decision.route is None:
+        _fail(decision.message.split(": ", 1)[-1])
+    from flashinfer.jit import fused_moe as jit_fused_moe
+
+    stock_gen = jit_fused_moe.gen_cutlass_fused_moe_sm90_module
+    t0 = time.monotonic()
+    with step_progress(console) as bar:
+        task = bar.add_task(f"{decision.route} module", total=None, current="")
+
+        def on_status(done: int, total: int, what: str) -> None:
+            bar.update(task, completed=done, total=total, current=Path(what.split()[-1]).name)
+
+        def run(targets: list[str]) -> None:
+            if not dry_run:
+                b.run_ninja(b.NinjaFile.of(spec_box[0]), targets, jobs, os.environ, on_status, log)
+
+        spec_box: list = []
+        try:
+            spec = dispatch.reduced_spec(decision, stock_gen, build=False)
+            spec_box.append(spec)
+            if clean and Path(spec.build_dir).exists():
+                shutil.rmtree(spec.build_dir)
+            if dry_run:
+                spec.write_ninja()
+            else:
+                reduced.prepare(spec, run)
+                run([])  # the stubs and the link
+        except (b.BuildError, reduced.ReduceError, PatchError) as e:
+            _fail(str(e), EXIT_CHECK_FAILED)
+    result = {
+        "dispatch": mode,
+        "module": spec.name,
+        "library": str(spec.jit_library_path),
+        "objects": len(spec.sources),
+        "seconds": round(time.monotonic() - t0, 1),
+        "plan": dataclasses.asdict(_plan_of(b, spec, decision)),
+    }
+    if dry_run:
+        console.print(f"would build [bold]{spec.name}[/] ({len(spec.sources)} objects) in "
+                      f"{spec.build_dir}")  # fmt: skip
+        return result
+    problems = reduced.check_link(spec)
+    result["link_problems"] = problems
+    if problems:
+        _fail("; ".join(problems), EXIT_CHECK_FAILED)
+    console.print(
+        f"built {spec.jit_library_path} ({len(spec.sources)} objects, link checked) in "
+        f"{result['seconds']:.0f} s"
+    )
+    return result
+
+
+def _plan_of(b, spec, decision: dispatch.Decision):
+    """The reduced spec as a BuildPlan: its objects, and (fix module) the sources that include a
+    patched file, for the header check of `patches check --compile`."""
+    from . import reduced
+
+    touched: list[str] = []
+    if decision.route == "fix":
+        ov = overlay.overlay_for(decision.src, decision.patches)
+        includes = [Path(d) for d in spec.extra_include_dirs]
+        touched = [str(Path(t).resolve()) for t in b.touched_sources(spec.sources, includes, ov)]
+    return b.BuildPlan(
+        module=spec.name,
+        build_dir=str(spec.build_dir),
+        ninja_file=str(spec.ninja_path),
+        library=str(spec.jit_library_path),
+        objects=reduced.object_map(spec.ninja_path) if Path(spec.ninja_path).is_file() else {},
+        touched=touched,
+    )
+
+
+def _build_full(b, jobs, variant, log, dry_run, console, env, clean) -> None:
+    try:
         plan, ov = b.plan(variant)
     except (b.BuildError, PatchError) as e:
         _fail(str(e))
-    console = make_console(stderr=True)
+    if clean and Path(plan.library).exists():
+        Path(plan.library).unlink()
     console.print(
         f"{'would build' if dry_run else 'building'} [bold]{plan.module}[/] "
         f"({len(plan.objects)} objects, {len(plan.touched)} of them from patched sources, "
@@ -229,8 +387,9 @@ def _source_from(
     "--compile",
     "do_compile",
     is_flag=True,
-    help="Compile every source the patches touch, with FlashInfer's own JIT flags for the SM90 "
-    "fused-MoE module (nvcc, sm_90a; ~1-2 min per file per core).",
+    help="Build and link the reduced fix module (the FP8 block-scale path, with FlashInfer's own "
+    "JIT flags; nvcc, sm_90a, no GPU needed; ~20 core-minutes), check its link for undefined "
+    "symbols and that every source including a patched file compiled the patched copy.",
 )
 @click.option("-j", "--jobs", type=click.IntRange(min=1), default=None, help="Compile jobs.")
 @click.option(
@@ -250,15 +409,18 @@ def check(fi_path, do_compile, jobs, workdir, as_json) -> None:
     workdir = workdir or overlay.cache_root() / "check"
     workdir.mkdir(parents=True, exist_ok=True)
     try:
-        ps = overlay.shipped_patches()
         src, import_root = _source_from(fi_path, workdir)
+        ps = overlay.shipped_patches(src.version)
     except (PatchError, flashinfer_src.FlashInferNotFound, b.BuildError) as e:
         _fail(str(e))
     a = overlay.assess(src, ps)
+    series = overlay.series_name(src.version)
     result: dict = {
         "flashinfer": src.version,
         "flashinfer_dir": str(src.package_dir),
-        "patches": [p.name for p in ps],
+        "supported": src.version in dispatch.SUPPORTED,
+        "series": series,
+        "patches": [f"{series}/{p.name}" for p in ps],
         "state": a.state.value,
         "detail": a.detail,
     }
@@ -270,54 +432,56 @@ def check(fi_path, do_compile, jobs, workdir, as_json) -> None:
         click.echo(json.dumps(result, indent=2))
     else:
         mark = "ok" if ok else "FAIL"
-        click.echo(f"{mark}: FlashInfer {src.version}: {a.state.value}: {a.detail}")
-        for obj in result.get("compile", {}).get("objects", []):
+        click.echo(f"{mark}: FlashInfer {src.version}: {a.state.value}: {a.detail} ({series})")
+        if not result["supported"]:
+            click.echo(
+                f"  note: vllm-h20 supports FlashInfer {', '.join(dispatch.SUPPORTED)}; the plugin "
+                f"leaves {src.version} stock"
+            )
+        comp = result.get("compile", {})
+        for obj in comp.get("objects", []):
             took = f"{obj['seconds']:.0f} s" if obj["seconds"] is not None else "time unknown"
             state = "compiled" if obj["built"] else "NOT BUILT"
             click.echo(f"  {state} {obj['source']} ({took})")
+        if comp.get("ok"):
+            click.echo(f"  linked {comp['library']}: no undefined symbols beyond its libraries")
         for p in result.get("compile", {}).get("problems", []):
             click.echo(f"  FAIL {p}")
     sys.exit(0 if ok else EXIT_CHECK_FAILED)
 
 
 def _compile_touched(src, ps, import_root, workdir: Path, jobs, quiet: bool) -> dict:
+    """Build and link the reduced fix module of this FlashInfer (`kernels build` in a child
+    interpreter that imports it), then check from ninja's records that every source including a
+    patched file compiled the overlay's copy."""
     from . import build as b
 
     ov = overlay.overlay_for(src, ps, workdir / "overlay")
     tag = f"{src.version}-{ov.key[:8]}"
     env = b.jit_env(workspace=workdir / "jit" / tag, arch="9.0a", cache=workdir / "overlay")
+    env["PYTHONPATH"] = os.pathsep.join(
+        p for p in (str(import_root or ""), str(Path(__file__).resolve().parents[2]),
+                    env.get("PYTHONPATH", "")) if p
+    )  # fmt: skip
+    for var in (dispatch.ENV, dispatch.MODULE_ENV, dispatch.STRICT_ENV):
+        env.pop(var, None)
+    jobs = jobs or os.cpu_count() or 1
+    cmd = [sys.executable, "-m", "vllm_h20.cli", "kernels", "build", "--dispatch", "per_expert",
+           "--module", "reduced", "--variant", "generic", "-j", str(jobs), "--json",
+           "--log", str(workdir / "jit" / tag / "ninja.log")]  # fmt: skip
+    (workdir / "jit" / tag).mkdir(parents=True, exist_ok=True)
+    proc = subprocess.run(
+        cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE if quiet else None, text=True
+    )
     try:
-        plan = b.plan_in_subprocess(import_root, env)
-    except b.BuildError as e:
-        return {"ok": False, "problems": [str(e)], "objects": []}
-    if not plan.touched:
-        return {"ok": False, "problems": ["no source includes a patched file"], "objects": []}
-    jobs = jobs or min(len(plan.touched), os.cpu_count() or 1)
-    console = make_console(stderr=True)
-    problems = []
-    log = workdir / "jit" / tag / "ninja.log"
-    targets = [plan.objects[s] for s in plan.touched]
-    with step_progress(console, disable=quiet) as bar:
-        task = bar.add_task(f"FlashInfer {src.version}", total=len(targets), current="")
-
-        def on_status(done: int, total: int, what: str) -> None:
-            bar.update(task, completed=done, total=total, current=Path(what.split()[-1]).name)
-
-        try:
-            b.run_ninja(plan, targets, jobs, env, on_status, log=log)
-            bar.update(task, completed=len(targets), current="")  # also when all up to date
-        except b.BuildError as e:
-            problems.append(str(e))
-    seconds = b.build_seconds(plan)
-    objects = [
-        {
-            "source": _csrc_relative(source),
-            "object": plan.objects[source],
-            "built": Path(plan.objects[source]).is_file(),
-            "seconds": seconds.get(os.path.normpath(plan.objects[source])),
-        }
-        for source in plan.touched
-    ]
+        built = json.loads(proc.stdout)[0]
+    except (ValueError, IndexError):
+        why = (proc.stderr or "").strip().splitlines()[-1:] or [f"exit {proc.returncode}"]
+        return {"ok": False, "problems": [f"kernels build: {why[0]}"], "objects": []}
+    plan = b.BuildPlan(**built["plan"])
+    problems = list(built.get("link_problems", []))
+    if proc.returncode != 0 and not problems:
+        problems.append(f"kernels build exited {proc.returncode}")
     if not problems:
         # ninja occasionally records no dependencies for an object (seen once with two nvcc
         # jobs in parallel); rebuild such an object alone so the header check has its list.
@@ -326,12 +490,29 @@ def _compile_touched(src, ps, import_root, workdir: Path, jobs, quiet: bool) -> 
             if not b.headers_used(plan, obj):
                 Path(obj).unlink(missing_ok=True)
                 try:
-                    b.run_ninja(plan, [obj], 1, env, log=log)
+                    b.run_ninja(plan, [obj], 1, env)
                 except b.BuildError as e:
                     problems.append(str(e))
-    if not problems:
         problems += b.wrong_headers(plan, ov, src.csrc_dir.resolve())
-    return {"ok": not problems, "module": plan.module, "objects": objects, "problems": problems}
+    seconds = b.build_seconds(plan)
+    objects = [
+        {
+            "source": _csrc_relative(source),
+            "object": obj,
+            "built": Path(obj).is_file(),
+            "seconds": seconds.get(os.path.normpath(obj)),
+            "patched": source in plan.touched,
+        }
+        for source, obj in plan.objects.items()
+    ]
+    return {
+        "ok": not problems,
+        "module": plan.module,
+        "library": plan.library,
+        "build_seconds": built.get("seconds"),
+        "objects": objects,
+        "problems": problems,
+    }
 
 
 def _csrc_relative(path: str) -> str:
@@ -346,7 +527,7 @@ def _csrc_relative(path: str) -> str:
     type=click.Path(path_type=Path),
     default=Path("benchmarks/results"),
     show_default=True,
-    help="Where the measured evidence (moe_dispatch_*.md/json/png) is.",
+    help="Where the measured evidence (moe_dispatch_*, fused_moe_*: md/json/png) is.",
 )
 def export(out: Path, results: Path) -> None:
     """Write the patches and the evidence for an upstream pull request into OUT.
@@ -359,15 +540,25 @@ def export(out: Path, results: Path) -> None:
         _fail(str(e))
     if out.exists() and any(out.iterdir()):
         _fail(f"{out} is not empty; choose a new directory")
-    evidence = sorted(results.glob("moe_dispatch_*")) if results.is_dir() else []
+    evidence = (
+        sorted([*results.glob("moe_dispatch_*"), *results.glob("fused_moe_*")])
+        if results.is_dir()
+        else []
+    )
     tmp = Path(tempfile.mkdtemp(prefix=".export-", dir=out.parent if out.parent.exists() else None))
     try:
-        for p in sorted((overlay.patches_dir() / "flashinfer").glob("*.patch")):
+        base = overlay.patches_dir() / "flashinfer"
+        for p in sorted(base.glob("*.patch")):
             shutil.copyfile(p, tmp / p.name)
+        for variant in sorted(d for d in base.iterdir() if d.is_dir()):  # older releases
+            (tmp / variant.name).mkdir()
+            for p in sorted(variant.glob("*.patch")):
+                shutil.copyfile(p, tmp / variant.name / p.name)
         (tmp / "evidence").mkdir()
         for e in evidence:
             shutil.copyfile(e, tmp / "evidence" / e.name)
-        (tmp / "PR.md").write_text(_pr_text(ps, evidence), encoding="utf-8")
+        variants = sorted(d.name for d in base.iterdir() if d.is_dir())
+        (tmp / "PR.md").write_text(_pr_text(ps, evidence, variants), encoding="utf-8")
         out.parent.mkdir(parents=True, exist_ok=True)
         if out.exists():
             out.rmdir()
@@ -376,10 +567,10 @@ def export(out: Path, results: Path) -> None:
         shutil.rmtree(tmp, ignore_errors=True)
     click.echo(f"wrote {out}: {len(ps)} patch(es), {len(evidence)} evidence file(s)")
     if not evidence:
-        click.echo(f"note: no moe_dispatch_* results in {results}; PR.md says so", err=True)
+        click.echo(f"note: no benchmark results in {results}; PR.md says so", err=True)
 
 
-def _pr_text(ps, evidence: list[Path]) -> str:
+def _pr_text(ps, evidence: list[Path], variants: list[str] = ()) -> str:
     parts = [f"# {ps[0].subject}", ""]
     for p in ps:
         body = p.message
@@ -387,6 +578,13 @@ def _pr_text(ps, evidence: list[Path]) -> str:
         if marker >= 0:
             body = body[:marker].rstrip()
         parts += [body, ""]
+    if variants:
+        parts += [
+            "The same change for older releases (other context lines only), for a backport: "
+            + ", ".join(f"`{v}/`" for v in variants)
+            + ".",
+            "",
+        ]
     parts += ["## Evidence", ""]
     tables = [e for e in evidence if e.suffix == ".md"]
     if not tables:

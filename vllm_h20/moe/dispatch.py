@@ -1,9 +1,17 @@
 """Decide which SM90 FP8 MoE dispatch a vLLM process runs, and activate it.
 
-`VLLM_H20_MOE_DISPATCH=per_expert` (default) makes FlashInfer build its SM90 fused-MoE JIT
-module from our patched overlay when the installed sources still carry the bug; `stock`
-leaves FlashInfer alone, for A/B runs. Only stdlib imports here: this runs in every vLLM
-process at plugin load.
+Three settings, read once per process (only stdlib imports here: this runs in every vLLM
+process at plugin load):
+
+- `VLLM_H20_MOE_DISPATCH`: `per_expert` (default, the fixed kernel choice) or `stock`
+  (FlashInfer's own kernel choice, for A/B runs).
+- `VLLM_H20_MOE_MODULE`: `reduced` (default): FP8 block-scale MoE calls run on a module with
+  only that path, built in minutes from the patched sources (per_expert) or from FlashInfer's own
+  (stock); every other MoE call keeps FlashInfer's module. `full`: FlashInfer's whole SM90
+  fused-MoE module built from the patched sources (per_expert; ~40 min on 16 cores), or left
+  untouched (stock).
+- `VLLM_H20_STRICT=1`: a fix module that cannot be had (unknown FlashInfer, no nvcc, compile
+  error, corrupt cache) is an error instead of one warning and FlashInfer's own module.
 """
 
 from __future__ import annotations
@@ -21,41 +29,92 @@ from .overlay import (
     FixState,
     assess,
     build_overlay,
+    cache_root,
     overlay_for,
     patched_spec,
+    series_name,
     shipped_patches,
 )
 from .patchfile import Patch, PatchError
 
 ENV = "VLLM_H20_MOE_DISPATCH"
 MODES = ("per_expert", "stock")
+MODULE_ENV = "VLLM_H20_MOE_MODULE"
+MODULES = ("reduced", "full")
+STRICT_ENV = "VLLM_H20_STRICT"
 CORE_MODULE = "flashinfer.fused_moe.core"
 GEN_NAME = "gen_cutlass_fused_moe_sm90_module"
+# The FlashInfer releases the patches, the reduced module and CI cover (vLLM 0.26.0's, 0.30.0's
+# and 0.33.0's pins, and the newest on PyPI when this was written).
+SUPPORTED = ("0.6.14", "0.6.18.post1", "0.7.2.post1", "0.7.4")
 
 
 class DispatchConfigError(ValueError):
     pass
 
 
-def requested_mode(env: Mapping[str, str] | None = None) -> str:
-    value = (os.environ if env is None else env).get(ENV, "per_expert").strip() or "per_expert"
-    if value not in MODES:
-        raise DispatchConfigError(
-            f"{ENV}={value!r} is not one of {', '.join(MODES)} "
-            f"(per_expert: the fixed kernel choice; stock: FlashInfer unchanged)"
-        )
+@dataclass(frozen=True)
+class Settings:
+    mode: str
+    module: str
+    strict: bool
+
+
+def _choice(env: Mapping[str, str], name: str, choices: Sequence[str], what: str) -> str:
+    value = env.get(name, choices[0]).strip() or choices[0]
+    if value not in choices:
+        raise DispatchConfigError(f"{name}={value!r} is not one of {', '.join(choices)} ({what})")
     return value
+
+
+def settings(env: Mapping[str, str] | None = None) -> Settings:
+    env = os.environ if env is None else env
+    mode = _choice(
+        env, ENV, MODES, "per_expert: the fixed kernel choice; stock: FlashInfer's, for A/B runs"
+    )
+    module = _choice(
+        env,
+        MODULE_ENV,
+        MODULES,
+        "reduced: a block-scale-only module built in minutes; full: FlashInfer's whole module",
+    )
+    strict = env.get(STRICT_ENV, "0").strip().lower()
+    if strict not in ("0", "1", "false", "true", ""):
+        raise DispatchConfigError(f"{STRICT_ENV}={strict!r} is not 0 or 1")
+    return Settings(mode, module, strict in ("1", "true"))
+
+
+def requested_mode(env: Mapping[str, str] | None = None) -> str:
+    return settings(env).mode
 
 
 @dataclass(frozen=True)
 class Decision:
     mode: str  # what the user asked for
-    overlay: bool  # whether to build FlashInfer's SM90 fused-MoE module from our overlay
+    overlay: bool  # build FlashInfer's whole SM90 fused-MoE module from our overlay (module=full)
     message: str  # the one line logged at start
     warn: bool = False
     src: flashinfer_src.FlashInferSource | None = None
     assessment: Assessment | None = None
     patches: tuple[Patch, ...] = ()
+    route: str | None = None  # "fix" or "stock": block-scale calls go to that reduced module
+    strict: bool = False
+    module: str = "reduced"
+
+    @property
+    def per_expert(self) -> bool:
+        """Whether block-scale MoE runs the per-expert kernel choice under this decision."""
+        if self.mode != "per_expert":
+            return False
+        fixed = self.assessment is not None and self.assessment.state in (
+            FixState.HAS_FIX,
+            FixState.FIXED_UPSTREAM,
+        )
+        return self.overlay or self.route == "fix" or fixed
+
+
+class UnsupportedFlashInfer(DispatchConfigError):
+    pass
 
 
 def decide(
@@ -63,46 +122,78 @@ def decide(
     src: flashinfer_src.FlashInferSource | None = None,
     patches: Sequence[Patch] | None = None,
 ) -> Decision:
-    mode = requested_mode(env)
-    if mode == "stock":
-        return Decision(mode, False, f"MoE dispatch: stock FlashInfer kernel choice ({ENV}=stock)")
+    s = settings(env)
+    if s.mode == "stock" and s.module == "full":
+        return Decision(
+            s.mode, False, f"MoE dispatch: FlashInfer unchanged ({ENV}=stock, {MODULE_ENV}=full)",
+            strict=s.strict, module=s.module,
+        )  # fmt: skip
     try:
         src = src or flashinfer_src.installed()
     except flashinfer_src.FlashInferNotFound as e:
-        return Decision(mode, False, f"MoE dispatch: nothing to fix, {e}")
+        return Decision(s.mode, False, f"MoE dispatch: nothing to fix, {e}", module=s.module)
+    where = f"FlashInfer {src.version}"
+    if src.version not in SUPPORTED:
+        msg = (
+            f"MoE dispatch: STOCK (fix not applied): {where} is not a release vllm-h20 supports "
+            f"({', '.join(SUPPORTED)}), so FP8 block-scale MoE runs on FlashInfer's own module; "
+            f"install one of them (e.g. `pip install flashinfer-python=={SUPPORTED[-1]}`) or "
+            f"check this one with `vllm-h20 patches check`"
+        )
+        if s.strict:
+            raise UnsupportedFlashInfer(f"{msg} ({STRICT_ENV}=1)")
+        return Decision(s.mode, False, msg, warn=True, src=src, strict=s.strict, module=s.module)
+    if s.mode == "stock":  # the reduced module from FlashInfer's own sources: the A/B baseline
+        return Decision(
+            s.mode, False,
+            f"MoE dispatch: stock kernel choice ({ENV}=stock): FP8 block-scale MoE runs on the "
+            f"reduced module built from {where}'s unpatched sources; other MoE calls on "
+            f"FlashInfer's own module",
+            src=src, route="stock", strict=s.strict, module=s.module,
+        )  # fmt: skip
     try:
-        patches = tuple(patches if patches is not None else shipped_patches())
+        patches = tuple(patches if patches is not None else shipped_patches(src.version))
         a = assess(src, patches)
     except (PatchError, OSError) as e:
         # A broken install must not take vLLM down: say so and run FlashInfer as it is.
-        return Decision(mode, False, f"MoE dispatch: STOCK (fix not applied): {e}", warn=True)
-    where = f"FlashInfer {src.version}"
+        msg = f"MoE dispatch: STOCK (fix not applied): {e}"
+        if s.strict:
+            raise DispatchConfigError(f"{msg} ({STRICT_ENV}=1)") from e
+        return Decision(s.mode, False, msg, warn=True, strict=s.strict, module=s.module)
+    series = f"patch series {series_name(src.version)}"
     if a.state is FixState.NEEDS_PATCH:
-        ov = overlay_for(src, patches)
+        if s.module == "full":
+            ov = overlay_for(src, patches)
+            return Decision(
+                s.mode, True,
+                f"MoE dispatch: per-expert expected_m; {where} SM90 fused-MoE module builds from "
+                f"patched sources in {ov.root} ({series}: {a.detail})",
+                src=src, assessment=a, patches=patches, strict=s.strict, module=s.module,
+            )  # fmt: skip
         return Decision(
-            mode,
-            True,
-            f"MoE dispatch: per-expert expected_m; {where} SM90 fused-MoE module builds from "
-            f"patched sources in {ov.root} ({a.detail})",
-            src=src,
-            assessment=a,
-            patches=patches,
-        )
+            s.mode, False,
+            f"MoE dispatch: per-expert expected_m; FP8 block-scale MoE runs on the reduced fix "
+            f"module built from {where} + {series} ({a.detail}); other MoE calls on FlashInfer's "
+            f"own module",
+            src=src, assessment=a, patches=patches, route="fix", strict=s.strict,
+            module=s.module,
+        )  # fmt: skip
     if a.state is FixState.HAS_FIX:
         msg = f"MoE dispatch: per-expert expected_m; {where} already contains the fix, unchanged"
-        return Decision(mode, False, msg, src=src, assessment=a)
+        return Decision(s.mode, False, msg, src=src, assessment=a, module=s.module)
     if a.state is FixState.FIXED_UPSTREAM:
         msg = f"MoE dispatch: {where} unchanged; {a.detail}"
-        return Decision(mode, False, msg, src=src, assessment=a)
-    return Decision(
-        mode,
-        False,
-        f"MoE dispatch: STOCK (fix not applied): {a.detail} for {where}; "
-        f"run `vllm-h20 patches check` for details",
-        warn=True,
-        src=src,
-        assessment=a,
+        return Decision(s.mode, False, msg, src=src, assessment=a, module=s.module)
+    msg = (
+        f"MoE dispatch: STOCK (fix not applied): {a.detail} for {where} ({series}); "
+        f"run `vllm-h20 patches check` for details"
     )
+    if s.strict:
+        raise DispatchConfigError(f"{msg} ({STRICT_ENV}=1)")
+    return Decision(s.mode, False, msg, warn=True, src=src, assessment=a, module=s.module)
+
+
+# --------------------------------------------------------------------------- module=full
 
 
 def patched_generator(
@@ -125,7 +216,7 @@ def patched_generator(
 
 
 def _register(spec: Any) -> None:
-    """List the patched spec in FlashInfer's JIT registry, as gen_jit_spec does for its own."""
+    """List a spec in FlashInfer's JIT registry, as gen_jit_spec does for its own."""
     try:
         from flashinfer.jit.core import jit_spec_registry
     except ImportError:
@@ -145,6 +236,59 @@ def install_on(core: ModuleType, decision: Decision) -> None:
     setattr(core, GEN_NAME, patched_generator(stock, decision))
 
 
+# --------------------------------------------------------------------------- module=reduced
+
+
+def reduced_spec(
+    decision: Decision,
+    stock_gen: Callable[..., Any],
+    use_fast_build: bool = False,
+    cache: Path | None = None,
+    build: bool = True,
+) -> Any:
+    """The reduced module's JitSpec, with (build=True) its objects built and its stubs written:
+    FlashInfer's build_and_load then compiles the stubs and links. Imports FlashInfer: call it
+    only from FlashInfer's own module build or the CLI."""
+    from . import reduced
+    from .overlay import overlay_key
+
+    assert decision.src is not None and decision.route in reduced.VARIANTS
+    cache = cache or cache_root()
+    stock = spec = stock_gen(use_fast_build)
+    if decision.route == "fix":
+        assert decision.assessment is not None
+        ov = build_overlay(
+            decision.src, decision.assessment, overlay_for(decision.src, decision.patches, cache)
+        )
+        spec, sources_key = patched_spec(spec, ov), ov.key
+    else:
+        sources_key = overlay_key(decision.src, ())
+    key = reduced.reduction_key(sources_key)
+    where = reduced.gen_dir(cache, decision.src.version, stock.name, decision.route, key)
+    spec = reduced.reduce_spec(spec, decision.route, key, where, base=stock.name)
+    if build:
+        reduced.prepare(spec, lambda targets: reduced.run_ninja(spec, targets))
+    _register(spec)
+    return spec
+
+
 def activate(decision: Decision) -> None:
     if decision.overlay:
         hook.after_import(CORE_MODULE, lambda core: install_on(core, decision))
+    elif decision.route is not None:
+        from . import route
+
+        describe = f"the reduced {decision.route} module (FlashInfer {decision.src.version})"
+
+        def make_spec(stock_gen: Callable[..., Any], use_fast_build: bool) -> Any:
+            return reduced_spec(decision, stock_gen, use_fast_build)
+
+        def install(core: ModuleType) -> None:
+            try:
+                route.install(core, make_spec, describe, decision.strict)
+            except RuntimeError as e:  # a FlashInfer layout we do not know: leave it as it is
+                if decision.strict:
+                    raise
+                route.logger.warning("%s; FlashInfer's fused MoE runs unchanged", e)
+
+        hook.after_import(CORE_MODULE, install)

@@ -54,13 +54,30 @@ def cache_root() -> Path:
     return (Path(xdg) if xdg else Path.home() / ".cache") / "vllm-h20"
 
 
-def shipped_patches(project: str = "flashinfer") -> list[Patch]:
-    """The patches shipped with vllm-h20 (`patches/<project>/*.patch`), in order."""
-    folder = patches_dir() / project
+def series_dir(version: str | None = None, project: str = "flashinfer") -> Path:
+    """The patch series for a FlashInfer version: `patches/<project>/v<version>/` when the
+    release needs its own variant of the patches (same change, other context lines), else
+    `patches/<project>/`."""
+    base = patches_dir() / project
+    if version:
+        variant = base / f"v{version}"
+        if variant.is_dir():
+            return variant
+    return base
+
+
+def shipped_patches(version: str | None = None, project: str = "flashinfer") -> list[Patch]:
+    """The patches shipped with vllm-h20 for a FlashInfer version, in order."""
+    folder = series_dir(version, project)
     out = [read_patch(p) for p in sorted(folder.glob("*.patch"))]
     if not out:
         raise PatchError(f"no {project} patches found in {folder}")
     return out
+
+
+def series_name(version: str | None = None, project: str = "flashinfer") -> str:
+    """How the log line names the series: its folder under patches/."""
+    return series_dir(version, project).relative_to(patches_dir()).as_posix()
 
 
 def patches_dir() -> Path:
