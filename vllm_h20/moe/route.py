@@ -48,6 +48,7 @@ def explain(exc: BaseException, library: str | None, nvcc: str | None) -> str:
 
 
 _LOAD_ERRORS = (
+    "failed to load dynamic shared library",
     "invalid elf",
     "file too short",
     "cannot open shared",
