@@ -204,12 +204,13 @@ def test_corrupt_module_in_the_jit_cache_falls_back_with_one_warning(installed_f
 
 
 def test_unsupported_flashinfer_keeps_it_stock_with_one_warning(fake_fi, patches):
-    d = dispatch.decide({}, src=fake_fi("stock", version="9.9.9"))
+    src = fake_fi("stock", version="9.9.9")
+    d = dispatch.decide({}, src=src)
     assert d.warn and d.route is None and not d.overlay and not d.per_expert
     assert "FlashInfer 9.9.9 is not a release vllm-h20 supports" in d.message
     assert "pip install flashinfer-python==" in d.message
     with pytest.raises(dispatch.UnsupportedFlashInfer, match="VLLM_H20_STRICT=1"):
-        dispatch.decide({dispatch.STRICT_ENV: "1"}, src=fake_fi("stock", version="9.9.9"))
+        dispatch.decide({dispatch.STRICT_ENV: "1"}, src=src)
 
 
 def test_explain_names_cause_and_fix(tmp_path):
