@@ -39,12 +39,20 @@ def download(spec: str, dest: Path) -> None:
            "--python-version", "3.12", "--implementation", "cp", "-d", str(dest), spec]  # fmt: skip
     for p in PLATFORMS:
         cmd += ["--platform", p]
-    subprocess.run(cmd, check=True, capture_output=True)
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        why = proc.stderr.strip().splitlines()[-1:] or ["?"]
+        raise SystemExit(f"error: pip download {spec} failed ({why[0]})")
 
 
 def export_tests(repo: Path, tag: str, dest: Path, version: str) -> list[str]:
-    archive = subprocess.run(["git", "-C", str(repo), "archive", "--format=tar", tag, *TESTS],
-                             check=True, capture_output=True).stdout  # fmt: skip
+    proc = subprocess.run(["git", "-C", str(repo), "archive", "--format=tar", tag, *TESTS],
+                          capture_output=True)  # fmt: skip
+    if proc.returncode != 0:
+        why = proc.stderr.decode(errors="replace").strip().splitlines()[-1:] or ["?"]
+        raise SystemExit(f"error: {repo}: cannot export {tag}'s tests ({why[0]}); pass a "
+                         f"FlashInfer clone that has the tag (git fetch --tags)")  # fmt: skip
+    archive = proc.stdout
     shutil.rmtree(dest, ignore_errors=True)
     dest.mkdir(parents=True)
     with tarfile.open(fileobj=io.BytesIO(archive)) as t:

@@ -70,3 +70,5 @@ def test_stage_exports_flashinfers_tests_and_the_patch_test(tmp_path):
     text = (out / added[0]).read_text()
     assert "def test_kernel_follows_rows_per_expert" in text
     assert (out / "tests/moe/test_trtllm_cutlass_fused_moe.py").is_file()
+    with pytest.raises(SystemExit, match="cannot export v9.9.9's tests"):
+        stage.export_tests(repo, "v9.9.9", tmp_path / "other", "0.6.14")
