@@ -246,7 +246,9 @@ def plan(variant: str = "auto", cache: Path | None = None) -> tuple[BuildPlan, O
     spec.write_ninja()
     assert decision.src is not None
     overlay = overlay_for(decision.src, decision.patches, cache)
-    objects = _objects_from_ninja(Path(spec.ninja_path))
+    from .reduced import object_map
+
+    objects = object_map(Path(spec.ninja_path))
     includes = [Path(d) for d in spec.extra_include_dirs]
     touched = [str(Path(t).resolve()) for t in touched_sources(spec.sources, includes, overlay)]
     missing = [t for t in touched if t not in objects]
@@ -289,12 +291,6 @@ class NinjaFile:
     @classmethod
     def of(cls, spec) -> NinjaFile:
         return cls(str(spec.build_dir), str(spec.ninja_path))
-
-
-def _objects_from_ninja(ninja_file: Path) -> dict[str, str]:
-    from .reduced import object_map
-
-    return object_map(ninja_file)
 
 
 def plan_in_subprocess(

@@ -234,6 +234,12 @@ def _build_reduced(b, mode, jobs, variant, log, dry_run, clean, console) -> dict
 
     stock_gen = jit_fused_moe.gen_cutlass_fused_moe_sm90_module
     t0 = time.monotonic()
+    try:
+        spec = dispatch.reduced_spec(decision, stock_gen, build=False)
+    except (b.BuildError, reduced.ReduceError, PatchError) as e:
+        _fail(str(e), EXIT_CHECK_FAILED)
+    if clean and Path(spec.build_dir).exists():
+        shutil.rmtree(spec.build_dir)
     with step_progress(console) as bar:
         task = bar.add_task(f"{decision.route} module", total=None, current="")
 
@@ -241,21 +247,15 @@ def _build_reduced(b, mode, jobs, variant, log, dry_run, clean, console) -> dict
             bar.update(task, completed=done, total=total, current=Path(what.split()[-1]).name)
 
         def run(targets: list[str]) -> None:
-            if not dry_run:
-                b.run_ninja(b.NinjaFile.of(spec_box[0]), targets, jobs, os.environ, on_status, log)
+            b.run_ninja(b.NinjaFile.of(spec), targets, jobs, os.environ, on_status, log)
 
-        spec_box: list = []
         try:
-            spec = dispatch.reduced_spec(decision, stock_gen, build=False)
-            spec_box.append(spec)
-            if clean and Path(spec.build_dir).exists():
-                shutil.rmtree(spec.build_dir)
             if dry_run:
                 spec.write_ninja()
             else:
                 reduced.prepare(spec, run)
                 run([])  # the stubs and the link
-        except (b.BuildError, reduced.ReduceError, PatchError) as e:
+        except (b.BuildError, reduced.ReduceError) as e:
             _fail(str(e), EXIT_CHECK_FAILED)
     result = {
         "dispatch": mode,

@@ -99,7 +99,6 @@ class Decision:
     patches: tuple[Patch, ...] = ()
     route: str | None = None  # "fix" or "stock": block-scale calls go to that reduced module
     strict: bool = False
-    module: str = "reduced"
 
     @property
     def per_expert(self) -> bool:
@@ -126,12 +125,12 @@ def decide(
     if s.mode == "stock" and s.module == "full":
         return Decision(
             s.mode, False, f"MoE dispatch: FlashInfer unchanged ({ENV}=stock, {MODULE_ENV}=full)",
-            strict=s.strict, module=s.module,
+            strict=s.strict,
         )  # fmt: skip
     try:
         src = src or flashinfer_src.installed()
     except flashinfer_src.FlashInferNotFound as e:
-        return Decision(s.mode, False, f"MoE dispatch: nothing to fix, {e}", module=s.module)
+        return Decision(s.mode, False, f"MoE dispatch: nothing to fix, {e}")
     where = f"FlashInfer {src.version}"
     if src.version not in SUPPORTED:
         msg = (
@@ -142,14 +141,14 @@ def decide(
         )
         if s.strict:
             raise UnsupportedFlashInfer(f"{msg} ({STRICT_ENV}=1)")
-        return Decision(s.mode, False, msg, warn=True, src=src, strict=s.strict, module=s.module)
+        return Decision(s.mode, False, msg, warn=True, src=src, strict=s.strict)
     if s.mode == "stock":  # the reduced module from FlashInfer's own sources: the A/B baseline
         return Decision(
             s.mode, False,
             f"MoE dispatch: stock kernel choice ({ENV}=stock): FP8 block-scale MoE runs on the "
             f"reduced module built from {where}'s unpatched sources; other MoE calls on "
             f"FlashInfer's own module",
-            src=src, route="stock", strict=s.strict, module=s.module,
+            src=src, route="stock", strict=s.strict,
         )  # fmt: skip
     try:
         patches = tuple(patches if patches is not None else shipped_patches(src.version))
@@ -159,7 +158,7 @@ def decide(
         msg = f"MoE dispatch: STOCK (fix not applied): {e}"
         if s.strict:
             raise DispatchConfigError(f"{msg} ({STRICT_ENV}=1)") from e
-        return Decision(s.mode, False, msg, warn=True, strict=s.strict, module=s.module)
+        return Decision(s.mode, False, msg, warn=True, strict=s.strict)
     series = f"patch series {series_name(src.version)}"
     if a.state is FixState.NEEDS_PATCH:
         if s.module == "full":
@@ -168,7 +167,7 @@ def decide(
                 s.mode, True,
                 f"MoE dispatch: per-expert expected_m; {where} SM90 fused-MoE module builds from "
                 f"patched sources in {ov.root} ({series}: {a.detail})",
-                src=src, assessment=a, patches=patches, strict=s.strict, module=s.module,
+                src=src, assessment=a, patches=patches, strict=s.strict,
             )  # fmt: skip
         return Decision(
             s.mode, False,
@@ -176,21 +175,20 @@ def decide(
             f"module built from {where} + {series} ({a.detail}); other MoE calls on FlashInfer's "
             f"own module",
             src=src, assessment=a, patches=patches, route="fix", strict=s.strict,
-            module=s.module,
         )  # fmt: skip
     if a.state is FixState.HAS_FIX:
         msg = f"MoE dispatch: per-expert expected_m; {where} already contains the fix, unchanged"
-        return Decision(s.mode, False, msg, src=src, assessment=a, module=s.module)
+        return Decision(s.mode, False, msg, src=src, assessment=a)
     if a.state is FixState.FIXED_UPSTREAM:
         msg = f"MoE dispatch: {where} unchanged; {a.detail}"
-        return Decision(s.mode, False, msg, src=src, assessment=a, module=s.module)
+        return Decision(s.mode, False, msg, src=src, assessment=a)
     msg = (
         f"MoE dispatch: STOCK (fix not applied): {a.detail} for {where} ({series}); "
         f"run `vllm-h20 patches check` for details"
     )
     if s.strict:
         raise DispatchConfigError(f"{msg} ({STRICT_ENV}=1)")
-    return Decision(s.mode, False, msg, warn=True, src=src, assessment=a, module=s.module)
+    return Decision(s.mode, False, msg, warn=True, src=src, assessment=a)
 
 
 # --------------------------------------------------------------------------- module=full
@@ -267,7 +265,12 @@ def reduced_spec(
     where = reduced.gen_dir(cache, decision.src.version, stock.name, decision.route, key)
     spec = reduced.reduce_spec(spec, decision.route, key, where, base=stock.name)
     if build:
-        reduced.prepare(spec, lambda targets: reduced.run_ninja(spec, targets))
+        from .build import NinjaFile, run_ninja
+
+        jobs = int(os.environ.get("MAX_JOBS", 0) or 0) or os.cpu_count() or 1
+        reduced.prepare(
+            spec, lambda targets: run_ninja(NinjaFile.of(spec), targets, jobs, os.environ)
+        )
     _register(spec)
     return spec
 

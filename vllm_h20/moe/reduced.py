@@ -246,20 +246,17 @@ def object_map(ninja_file: Path) -> dict[str, str]:
     return out
 
 
-def objects_of(spec: Any) -> tuple[list[Path], Path]:
-    """(every object but the stubs', the stubs' object) of a reduced spec's ninja file."""
+def objects_of(spec: Any) -> list[Path]:
+    """Every object of a reduced spec's ninja file but the stubs'."""
     by_source = object_map(spec.ninja_path)
-    others, stub = [], None
+    out = []
     for s in spec.sources:
         obj = by_source.get(str(s)) or by_source.get(str(Path(s).resolve()))
         if obj is None:
             raise ReduceError(f"{spec.ninja_path} has no build line for {s}")
-        if Path(s).name == STUBS_FILE:
-            stub = Path(obj)
-        else:
-            others.append(Path(obj))
-    assert stub is not None
-    return others, stub
+        if Path(s).name != STUBS_FILE:
+            out.append(Path(obj))
+    return out
 
 
 def prepare(spec: Any, run: Any) -> list[str]:
@@ -271,31 +268,13 @@ def prepare(spec: Any, run: Any) -> list[str]:
 
     with FileLock(str(spec.lock_path), thread_local=False):
         spec.write_ninja()
-        others, _stub = objects_of(spec)
+        others = objects_of(spec)
         run([str(o) for o in others])
         return write_stubs(others, Path([s for s in spec.sources if s.name == STUBS_FILE][0]))
 
 
 def gen_dir(cache: Path, version: str, base: str, variant: str, key: str) -> Path:
     return cache / "flashinfer" / version / f"{base}-reduced-{variant}-{key[:12]}"
-
-
-def run_ninja(spec: Any, targets: Sequence[str], jobs: int | None = None) -> None:
-    """Build some of a spec's targets with its own ninja file (FlashInfer's MAX_JOBS rule)."""
-    import shutil
-
-    try:
-        import ninja as ninja_pkg
-
-        binary = str(Path(ninja_pkg.BIN_DIR) / "ninja")
-    except ImportError:
-        binary = shutil.which("ninja") or "ninja"
-    jobs = jobs or int(os.environ.get("MAX_JOBS", 0) or 0) or os.cpu_count() or 1
-    cmd = [binary, "-C", str(spec.build_dir), "-f", str(spec.ninja_path), "-j", str(jobs)]
-    proc = subprocess.run([*cmd, *targets], capture_output=True, text=True)
-    if proc.returncode != 0:
-        lines = (proc.stdout + proc.stderr).splitlines()
-        raise ReduceError(f"ninja failed (exit {proc.returncode}): {first_error(lines)[:300]}")
 
 
 _ERROR = re.compile(r"(^|[\s:])(fatal )?error( [A-Z]*\d+)?:|#error|^FAILED:|not found", re.I)

@@ -116,11 +116,6 @@ class Sm90Routes:
                     )
             return self._reduced_ns
 
-    @property
-    def serves_block_scale(self) -> bool:
-        """Whether block-scale calls now run on the reduced module (builds it if needed)."""
-        return self._reduced() is not None
-
     def __getattr__(self, name: str) -> Any:
         if name.startswith("_"):
             raise AttributeError(name)
