@@ -21,8 +21,11 @@ LOCAL = SLOTS // EP  # 50
 # (name, N, K) of the two grouped GEMMs one MoE layer issues per rank.
 GEMMS = (("fc1", 2 * INTER, HIDDEN), ("fc2", HIDDEN, INTER))
 TOKENS = (1, 8, 32, 64, 128, 192, 288, 512, 1024, 2048, 4096)
-ROUTINGS = ("uniform", "zipf", "hot")
+ROUTINGS = ("uniform", "zipf", "hot", "eplb")
 ZIPF_S = 1.2  # popularity of the i-th most popular slot ~ 1 / i^1.2
+# eplb: what expert-parallel load balancing leaves behind; slot popularity log-normal with this
+# sigma puts the hottest of 400 slots at ~3.4x the mean (2.97 sigma - sigma^2 / 2 = ln 3.4).
+EPLB_SIGMA = 0.45
 CALIB_M = (1, 2, 4, 8, 12, 16, 24, 32, 40, 48, 64, 96, 128, 192, 256)
 
 
@@ -31,13 +34,16 @@ def route(routing: str, tokens: int, seed: int = 0) -> np.ndarray:
 
     uniform: every slot equally likely. zipf: slot popularity ~ 1/rank^1.2, ranks shuffled
     over slots (so hot slots land on any EP rank). hot: slot 0 (rank 0's first expert) is in
-    every token's top-k, the other five uniform: the worst case for one rank."""
+    every token's top-k, the other five uniform: the worst case for one rank. eplb: log-normal
+    slot popularity, the hottest slot ~3-4x the mean, as balanced replicas leave it."""
     rng = np.random.default_rng(seed * 1_000_003 + tokens)
     if routing == "uniform":
         logits = np.zeros(SLOTS)
     elif routing == "zipf":
         popularity = 1.0 / np.arange(1, SLOTS + 1) ** ZIPF_S
         logits = np.log(rng.permutation(popularity))
+    elif routing == "eplb":
+        logits = rng.normal(0.0, EPLB_SIGMA, SLOTS)
     elif routing == "hot":
         rest = np.argsort(rng.random((tokens, SLOTS - 1)), axis=1)[:, : TOP_K - 1] + 1
         return np.concatenate([np.zeros((tokens, 1), dtype=np.int64), rest], axis=1)

@@ -30,6 +30,7 @@ import subprocess
 import sys
 import tarfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -66,8 +67,34 @@ KERNEL_CUH = (
     "tensorrt_llm/kernels/cutlass_kernels/fp8_blockscale_gemm/fp8_blockscale_gemm_kernel.cuh"
 )
 GEMM_CU = "tensorrt_llm/kernels/cutlass_kernels/fp8_blockscale_gemm/fp8_blockscale_gemm.cu"
-BRANCH_LINE = "  if (expected_m >= m_per_expert_threshold) {"
 SMS_LINE = "static int kNumDeviceSMs = -1;"
+PLAN_LINE = (
+    "  RowClassPlan plan = plan_row_classes(expected_m, max_m_per_problem, m_per_expert_threshold);"
+)
+# The calibration build's hooks into the patched grouped_gemm_dispatch (deepgemm_setup.cu defines
+# them): (line in the patched source, what replaces it). Each line must occur exactly once.
+CALIB_HOOKS = (
+    ("  if (max_m_per_problem == 0) {",
+     "  if (max_m_per_problem == 0 || vllm_h20_single_launch()) {"),
+    ("    if (expected_m >= m_per_expert_threshold) {",
+     "    if (vllm_h20_force_branch != 0 ? vllm_h20_force_branch > 0\n"
+     "                                   : expected_m >= m_per_expert_threshold) {"),
+    (PLAN_LINE,
+     PLAN_LINE + "\n"
+     "  vllm_h20_override_plan(expected_m, max_m_per_problem, m_per_expert_threshold,\n"
+     "                         plan.cold_m, plan.boundary, plan.hot_m);"),
+    ("    run_regular(plan.hot_m, {plan.boundary + 1, deep_gemm::kAnyRows});\n"
+     "    run_swap_ab(plan.cold_m, {1, plan.boundary});",
+     "    if (!vllm_h20_hot_first) run_swap_ab(plan.cold_m, {1, plan.boundary});\n"
+     "    run_regular(plan.hot_m, {plan.boundary + 1, deep_gemm::kAnyRows});\n"
+     "    if (vllm_h20_hot_first) run_swap_ab(plan.cold_m, {1, plan.boundary});"),
+    (SMS_LINE, "static int kNumDeviceSMs = vllm_h20_num_sms_override();"),
+)  # fmt: skip
+CALIB_DECLS = (
+    "extern int vllm_h20_force_branch;\nextern int vllm_h20_hot_first;\n"
+    "int vllm_h20_num_sms_override();\nbool vllm_h20_single_launch();\n"
+    "void vllm_h20_override_plan(unsigned, unsigned, unsigned, unsigned&, unsigned&, unsigned&);\n"
+)
 WARMUPS, SAMPLES = 5, 24
 
 
@@ -111,16 +138,50 @@ def prepare_sources(data: Path, work: Path, variant: str) -> Path:
     if variant == "calib":
         f = nv / KERNEL_CUH
         text = f.read_text()
-        assert text.count(BRANCH_LINE) == 1, "grouped_gemm_dispatch changed: update BRANCH_LINE"
-        text = text.replace(
-            BRANCH_LINE,
-            "  if (vllm_h20_force_branch != 0 ? vllm_h20_force_branch > 0\n"
-            "                                 : expected_m >= m_per_expert_threshold) {",
-        )
-        assert text.count(SMS_LINE) == 1, "kNumDeviceSMs changed: update SMS_LINE"
-        text = text.replace(SMS_LINE, "static int kNumDeviceSMs = vllm_h20_num_sms_override();")
-        f.write_text("extern int vllm_h20_force_branch;\nint vllm_h20_num_sms_override();\n" + text)
+        for line, hook in CALIB_HOOKS:
+            assert text.count(line) == 1, f"grouped_gemm_dispatch changed: update {line!r}"
+            text = text.replace(line, hook)
+        f.write_text(CALIB_DECLS + text)
     return nv
+
+
+def deepgemm_dir(data: Path, work: Path, variant: str) -> str:
+    """The include dir DeepGEMM's run-time compiles read for a variant: the patched variants'
+    own copy (their scheduler has row classes), FlashInfer's for stock."""
+    if variant == "stock":
+        return str(data / "csrc" / "nv_internal" / "tensorrt_llm")
+    return str(work / variant / "nv_internal" / "tensorrt_llm")
+
+
+@dataclass(frozen=True)
+class Version:
+    """One column of the A/B: a build, the expected_m its runner gets, and (calib build only)
+    the dispatch rule it is switched to (mode, sizing, boundary, hot_first; see set_rule)."""
+
+    name: str
+    variant: str  # stock | patched | calib
+    kind: str  # stock: expected_m = tokens (FlashInfer's); fixed: the per-expert average
+    rule: tuple[int, int, int, int] | None = None
+
+
+AVG_ONLY = (1, 0, 0, 1)  # one launch chosen from the per-expert average: the 0001 patch alone
+# The run's columns: stock, the average-only fix (0001), the per-expert dispatch (0001 + 0002),
+# and the latter again (A/A: the noise floor).
+VERSIONS = (
+    Version("stock", "stock", "stock"),
+    Version("avg", "calib", "fixed", AVG_ONLY),
+    Version("patched", "patched", "fixed"),
+    Version("patched_again", "patched", "fixed"),
+)
+# --explore: row-class rules beside them (calib build), to choose the patch's rule from.
+EXPLORE = (
+    Version("s_avg_32", "calib", "fixed", (2, 1, 32, 1)),
+    Version("s_avg_tab", "calib", "fixed", (2, 1, -1, 1)),
+    Version("s_busy_128", "calib", "fixed", (2, 2, 128, 1)),
+    Version("s_busy_tab", "calib", "fixed", (2, 2, -1, 1)),
+    Version("s_busy_2x", "calib", "fixed", (2, 2, -3, 1)),
+    Version("s_busy_coldfirst", "calib", "fixed", (2, 2, -2, 0)),
+)
 
 
 def build_variant(data: Path, work: Path, variant: str):
@@ -183,13 +244,16 @@ def _build_in_child(args) -> tuple[str, float]:
 class Gpu:
     """Tensors shared by all cases: one rank's 50 experts' FC1/FC2 weights and references."""
 
-    def __init__(self, mods: dict, data: Path, seed: int = 0):
+    def __init__(self, mods: dict, data: Path, work: Path, seed: int = 0):
         import torch
 
         self.torch = torch
         self.mods = mods
-        for m in mods.values():
-            m.set_include_dirs([str(data / "csrc" / "nv_internal" / "tensorrt_llm")])
+        # Stock last-but-not-least: if the modules share DeepGEMM's static include list (one
+        # process, same inline function), the patched headers win; they compile every kernel
+        # without a row class exactly as the stock ones do.
+        for v in sorted(mods, key=lambda v: v != "stock"):
+            mods[v].set_include_dirs([deepgemm_dir(data, work, v)])
         g = torch.Generator(device="cuda").manual_seed(seed)
         self.w, self.ws, self.wref = {}, {}, {}
         for s in cases.SHAPES:
@@ -306,8 +370,10 @@ def time_graphs(torch, graphs: list, samples: int = SAMPLES, warmups: int = WARM
 class RankCase:
     """One rank's FC1 + FC2 for one routing/token count, in one build (stock or patched)."""
 
-    def __init__(self, gpu: Gpu, mod, tokens: int, counts: np.ndarray, expected_m: int, seed: int):
+    def __init__(self, gpu: Gpu, mod, tokens: int, counts: np.ndarray, expected_m: int, seed: int,
+                 rule: tuple[int, int, int, int] | None = None):  # fmt: skip
         torch = gpu.torch
+        self.mod, self.rule = mod, rule
         self.rows = int(counts.sum())
         cap = max(tokens * cases.TOP_K, 4)
         self.off = torch.tensor(cases.offsets(counts), device="cuda")
@@ -325,6 +391,8 @@ class RankCase:
         self.gpu, self.counts = gpu, counts
 
     def __call__(self):
+        if self.rule is not None:  # the kernel choice is made here, at launch (or capture)
+            self.mod.set_rule(*self.rule)
         for s in cases.SHAPES:
             self.gemms[s.name].run(self.out[s.name], self.a[s.name], self.gpu.w[s.name],
                                    self.gpu.ws[s.name], self.off, self.ws)  # fmt: skip
@@ -345,7 +413,8 @@ class RankCase:
 def ab_case(gpu: Gpu, versions: dict, routing: str, tokens: int, bw: float) -> dict:
     """Every rank of one routing/token case in every version: check, then time in graphs.
 
-    versions: name -> (module, "stock" | "fixed"): which expected_m the runner is given."""
+    versions: name -> (module, "stock" | "fixed", rule): which expected_m the runner is given
+    and the calib build's rule (None: the build's own)."""
     torch = gpu.torch
     slots = cases.route(routing, tokens)
     fixed_m = per_expert_expected_m(tokens, cases.TOP_K, cases.LOCAL, cases.EP)
@@ -353,8 +422,8 @@ def ab_case(gpu: Gpu, versions: dict, routing: str, tokens: int, bw: float) -> d
     per_rank, graphs, keep = [], {v: [] for v in versions}, []
     for rank in range(cases.EP):
         counts = cases.rank_counts(slots, rank)
-        rc = {v: RankCase(gpu, mod, tokens, counts, m_of[kind], seed=rank)
-              for v, (mod, kind) in versions.items()}  # fmt: skip
+        rc = {v: RankCase(gpu, mod, tokens, counts, m_of[kind], seed=rank, rule=rule)
+              for v, (mod, kind, rule) in versions.items()}  # fmt: skip
         for v in rc:
             rc[v]()
         torch.cuda.synchronize()
@@ -381,8 +450,10 @@ def ab_case(gpu: Gpu, versions: dict, routing: str, tokens: int, bw: float) -> d
     samples = {v: [[row[order.index((v, i))] for i in range(cases.EP)] for row in raw]
                for v in versions}  # fmt: skip
     del graphs, keep
+    skew = np.bincount(slots.ravel(), minlength=cases.SLOTS)
     row = {"routing": routing, "tokens": tokens, "stock_expected_m": tokens,
-           "patched_expected_m": fixed_m, "ranks": per_rank}  # fmt: skip
+           "patched_expected_m": fixed_m, "hottest_over_mean": float(skew.max() / skew.mean()),
+           "ranks": per_rank}  # fmt: skip
     for v in versions:
         slowest = [max(x) for x in samples[v]]
         row[f"{v}_s"] = statistics.median(slowest)
@@ -390,10 +461,12 @@ def ab_case(gpu: Gpu, versions: dict, routing: str, tokens: int, bw: float) -> d
                                      for r in range(cases.EP)]  # fmt: skip
         row[f"{v}_samples_slowest_s"] = slowest
     names = list(versions)
-    row["speedup"] = row[f"{names[0]}_s"] / row[f"{names[1]}_s"]
-    if len(names) > 2:
-        row["aa_ratio"] = row[f"{names[2]}_s"] / row[f"{names[1]}_s"]
-    worst = max(range(cases.EP), key=lambda r: row[f"{names[1]}_rank_median_s"][r])
+    row["speedups"] = {v: row[f"{names[0]}_s"] / row[f"{v}_s"] for v in names[1:]}
+    lead = "patched" if "patched" in versions else names[1]
+    row["speedup"] = row["speedups"][lead]
+    if "patched_again" in versions:
+        row["aa_ratio"] = row["patched_again_s"] / row["patched_s"]
+    worst = max(range(cases.EP), key=lambda r: row[f"{lead}_rank_median_s"][r])
     # A read-only stream can use the whole bandwidth the copy measured (read + write).
     row["roofline_s"] = per_rank[worst]["weight_bytes"] / bw
     row["max_rel_err"] = max(max(r["rel_err"][v].values()) for r in per_rank for v in r["rel_err"])
@@ -404,9 +477,18 @@ def ab_case(gpu: Gpu, versions: dict, routing: str, tokens: int, bw: float) -> d
     log(
         f"{routing:8s} {tokens:5d} tok: "
         + ", ".join(f"{v} {row[f'{v}_s'] * 1e3:.3f} ms" for v in versions)
-        + f", x{row['speedup']:.2f}, err {row['max_rel_err']:.1e} {'ok' if row['ok'] else 'FAIL'}"
+        + ", "
+        + " ".join(f"{v} x{s:.2f}" for v, s in row["speedups"].items())
+        + f", err {row['max_rel_err']:.1e} {'ok' if row['ok'] else 'FAIL'}"
     )
     return row
+
+
+EMULATED_CASES = (
+    ("uniform", 1), ("uniform", 192), ("uniform", 288), ("uniform", 1024), ("uniform", 2048),
+    ("uniform", 4096), ("zipf", 128), ("zipf", 288), ("zipf", 1024), ("zipf", 2048),
+    ("hot", 288), ("hot", 1024), ("hot", 2048), ("eplb", 288), ("eplb", 1024), ("eplb", 4096),
+)  # fmt: skip
 
 
 def emulate_child(args) -> None:
@@ -417,12 +499,13 @@ def emulate_child(args) -> None:
 
     mod = load_built(args.work, "calib")
     data = unpack_flashinfer(args.flashinfer, args.work)
-    gpu = Gpu({"calib": mod}, data)
+    gpu = Gpu({"calib": mod}, data, args.work)
     bw = measure_copy_bandwidth(torch)
-    versions = {"stock": (mod, "stock"), "fixed": (mod, "fixed")}
-    rows = [ab_case(gpu, versions, r, t, bw) for r, t in
-            (("uniform", 1), ("uniform", 192), ("uniform", 288), ("uniform", 2048),
-             ("zipf", 288), ("hot", 288), ("zipf", 2048), ("hot", 2048))]  # fmt: skip
+    # stock: one launch from expected_m = tokens; fixed: one launch from the average (0001);
+    # patched: the patch's row classes (0001 + 0002).
+    versions = {"stock": (mod, "stock", AVG_ONLY), "fixed": (mod, "fixed", AVG_ONLY),
+                "patched": (mod, "fixed", (0, 0, 0, 1))}  # fmt: skip
+    rows = [ab_case(gpu, versions, r, t, bw) for r, t in EMULATED_CASES]
     write_json(args.out / "emulated_78sm.json", {"sms": 78, "threshold": 64, "ab": rows})
 
 
@@ -434,35 +517,43 @@ def weight_bytes(counts: np.ndarray) -> int:
 # ----------------------------------------------------------------------------- phases
 
 
-def warm_jobs(num_sms: int):
-    """(shape index, expected_m, force) for every DeepGEMM kernel the cases will launch."""
-    th = swap_threshold(num_sms)
+def warm_jobs(versions, token_list) -> list[tuple]:
+    """(variant, rule, shape index, num_rows, top_k, expected_m, force) for every DeepGEMM kernel
+    the run will launch: the kernel choice is made on the host from these alone (never from the
+    routed rows), so a small grouped GEMM with the same arguments compiles the same kernels."""
     jobs = set()
-    for t in cases.TOKENS:
-        stock = t
-        fixed = per_expert_expected_m(t, cases.TOP_K, cases.LOCAL, cases.EP)
-        for m in (stock, fixed):
+    for v in versions:
+        for t in token_list:
+            m = (
+                t
+                if v.kind == "stock"
+                else per_expert_expected_m(t, cases.TOP_K, cases.LOCAL, cases.EP)
+            )
             for si in range(len(cases.SHAPES)):
-                jobs.add((si, m, 1 if m >= th else -1))
-    for m in cases.CALIB_M:
-        for si in range(len(cases.SHAPES)):
-            for force in (1, -1):
-                jobs.add((si, m, force))
-    return sorted(jobs)
+                jobs.add((v.variant, v.rule, si, t, cases.TOP_K, m, 0))
+    return sorted(jobs, key=repr)
+
+
+def calib_jobs() -> list[tuple]:
+    return sorted(("calib", AVG_ONLY, si, 4 * cases.LOCAL, 1, m, force)
+                  for m in cases.CALIB_M for si in range(len(cases.SHAPES))
+                  for force in (1, -1))  # fmt: skip
 
 
 def warm_gemm(mod, si: int, num_rows: int, top_k: int, expected_m: int):
-    """A small grouped GEMM (4 rows per expert) sized as the runner would size one for
-    `num_rows` tokens with `expected_m`; calling the result runs it once, so DeepGEMM
-    JIT-compiles the kernel that choice selects."""
+    """A small grouped GEMM (at most 4 rows per expert, never more rows than the runner is
+    sized for) sized as the runner would size one for `num_rows` tokens with `expected_m`;
+    calling the result runs it once, so DeepGEMM JIT-compiles the kernels that choice selects."""
     import torch
 
     s = cases.SHAPES[si]
-    rows = 4 * cases.LOCAL
+    rows = min(4 * cases.LOCAL, num_rows * top_k)
+    counts = np.full(cases.LOCAL, rows // cases.LOCAL)
+    counts[: rows % cases.LOCAL] += 1
     a = torch.randn(rows, s.k, device="cuda").to(torch.bfloat16)
     w = torch.randn(cases.LOCAL, s.n, s.k, device="cuda").to(torch.float8_e4m3fn)
     sc = torch.ones(cases.LOCAL, s.n // 128, s.k // 128, device="cuda")
-    off = torch.tensor(cases.offsets(np.full(cases.LOCAL, 4)), device="cuda")
+    off = torch.tensor(cases.offsets(counts), device="cuda")
     gg = mod.GroupedGemm(num_rows, s.n, s.k, top_k, cases.LOCAL, expected_m)
     ws = torch.empty(max(gg.workspace_bytes, 1), dtype=torch.uint8, device="cuda")
     out = torch.empty(rows, s.n, dtype=torch.bfloat16, device="cuda")
@@ -473,17 +564,38 @@ def _warm_child(args) -> list[tuple]:
     data, work, jobs = args
     import torch
 
-    mod = load_built(Path(work), "calib")
-    mod.set_include_dirs([str(Path(data) / "csrc" / "nv_internal" / "tensorrt_llm")])
+    mods = {}
     done = []
-    for si, m, force in jobs:
-        gemm = warm_gemm(mod, si, 4 * cases.LOCAL, 1, m)
+    for variant, rule, si, num_rows, top_k, m, force in jobs:
+        if variant not in mods:
+            mods[variant] = load_built(Path(work), variant)
+        mod = mods[variant]
+        mod.set_include_dirs([deepgemm_dir(Path(data), Path(work), variant)])
+        if rule is not None:
+            mod.set_rule(*rule)
+        if variant == "calib":
+            mod.force_branch(force)
+        gemm = warm_gemm(mod, si, num_rows, top_k, m)
         t0 = time.time()
-        mod.force_branch(force)
         gemm()
         torch.cuda.synchronize()
-        done.append((si, m, force, time.time() - t0))
+        done.append((variant, rule, si, num_rows, m, force, time.time() - t0))
     return done
+
+
+def print_explore(rows: list[dict]) -> None:
+    """Speedup over stock of every version, per case; then each version's worst case and its
+    shortfall against the better of stock and the average-only fix (the issue's goals)."""
+    names = list(rows[0]["speedups"])
+    print("\nrouting  tokens " + " ".join(f"{n[:11]:>11s}" for n in names))
+    for r in rows:
+        print(f"{r['routing']:8s} {r['tokens']:6d} "
+              + " ".join(f"{r['speedups'][n]:11.3f}" for n in names))  # fmt: skip
+    print("worst   " + " " * 7 + " ".join(
+        f"{min(r['speedups'][n] for r in rows):11.3f}" for n in names))  # fmt: skip
+    print("vs best " + " " * 7 + " ".join(
+        f"{min(r['speedups'][n] / max(1.0, r['speedups']['avg']) for r in rows):11.3f}"
+        for n in names))  # fmt: skip
 
 
 def main() -> None:
@@ -493,6 +605,9 @@ def main() -> None:
     ap.add_argument("--work", type=Path, default=REPO / ".build" / "moe_dispatch")
     ap.add_argument("--jobs", type=int, default=os.cpu_count() or 8)
     ap.add_argument("--quick", action="store_true", help="a few cases only (smoke test)")
+    ap.add_argument("--explore", action="store_true",
+                    help="time the calib build's row-class rules beside the three versions "
+                         "(no emulation, no calibration)")  # fmt: skip
     ap.add_argument("--emulate-child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.emulate_child:
@@ -532,9 +647,9 @@ def main() -> None:
     }  # fmt: skip
     log(f"device: {smi}; {num_sms} SMs; threshold {swap_threshold(num_sms)}")
 
-    jobs = warm_jobs(num_sms)
-    if args.quick:
-        jobs = jobs[:: max(1, len(jobs) // 8)]
+    token_list = cases.TOKENS if not args.quick else (1, 288, 2048)
+    run_versions = VERSIONS + (EXPLORE if args.explore else ())
+    jobs = warm_jobs(run_versions, token_list) + ([] if args.explore else calib_jobs())
     log(f"compiling {len(jobs)} DeepGEMM kernels in {min(args.jobs, 16)} processes")
     t0 = time.time()
     chunks = [jobs[i :: min(args.jobs, 16)] for i in range(min(args.jobs, 16))]
@@ -544,14 +659,16 @@ def main() -> None:
         warm = [x for part in parts
                 for x in part]  # fmt: skip
     result["phases"]["deepgemm_jit_s"] = time.time() - t0
-    result["phases"]["deepgemm_kernels"] = len(
-        list((Path(os.environ["TRTLLM_DG_CACHE_DIR"]) / "cache").iterdir())
-    )
+    kernels = sorted(p.name for p in (Path(os.environ["TRTLLM_DG_CACHE_DIR"]) / "cache").iterdir())
+    result["phases"]["deepgemm_kernels"] = len(kernels)
+    # The row-class kernels exist only where the patched headers compiled them (their names
+    # and their schedulers' template arguments carry the class).
+    result["row_class_kernels"] = [k for k in kernels if "_rows" in k]
     log(f"DeepGEMM kernels ready in {result['phases']['deepgemm_jit_s']:.0f} s")
 
     mods = {v: load_built(args.work, v) for v in VARIANTS}
     assert not mods["stock"].patched() and mods["patched"].patched()
-    gpu = Gpu(mods, data)
+    gpu = Gpu(mods, data, args.work)
     bw = measure_copy_bandwidth(torch)
     result["copy_bandwidth_Bps"] = bw
     tf = measure_fp8_tflops(torch)
@@ -561,15 +678,21 @@ def main() -> None:
 
     # --- A/B per routing x tokens: every rank, stock and patched (patched timed twice: the
     #     A/A difference is the noise floor) ----------------------------------------------------
-    token_list = cases.TOKENS if not args.quick else (1, 288, 2048)
-    versions = {"stock": (mods["stock"], "stock"), "patched": (mods["patched"], "fixed"),
-                "patched_again": (mods["patched"], "fixed")}  # fmt: skip
+    versions = {v.name: (mods[v.variant], v.kind, v.rule) for v in run_versions}
+    result["versions"] = {v.name: {"variant": v.variant, "expected_m": v.kind, "rule": v.rule}
+                          for v in run_versions}  # fmt: skip
     rows = []
     for routing in cases.ROUTINGS:
         for tokens in token_list:
             rows.append(ab_case(gpu, versions, routing, tokens, bw))
             write_json(args.out / "moe_dispatch_h200.json", result | {"ab": rows})
     result["ab"] = rows
+
+    if args.explore:
+        result["phases"]["total_s"] = time.time() - t_start
+        write_json(args.out / "moe_dispatch_h200.json", result)
+        print_explore(rows)
+        sys.exit(0 if all(r["ok"] for r in rows) else 1)
 
     # --- the same cases as an H20 would dispatch them: 78-SM grids, tiles and threshold 64 ----
     emu = subprocess.run(
@@ -619,12 +742,12 @@ def main() -> None:
     write_json(args.out / "moe_dispatch_h200.json", result)
 
     print(
-        "\nrouting  tokens  m(stock->fixed)  stock ms  patched ms  speedup  roofline%  A/A  check"
+        "\nrouting  tokens  m(stock->fixed)  stock ms  avg-only  per-expert  roofline%  A/A  check"
     )
     for r in rows:
         m = f"{r['stock_expected_m']:5d} -> {r['patched_expected_m']:<5d}"
-        print(f"{r['routing']:8s} {r['tokens']:6d}  {m}"
-              f"  {r['stock_s'] * 1e3:8.3f}  {r['patched_s'] * 1e3:10.3f}  {r['speedup']:7.2f}"
+        print(f"{r['routing']:8s} {r['tokens']:6d}  {m}  {r['stock_s'] * 1e3:8.3f}"
+              f"  {r['speedups']['avg']:7.2f}x  {r['speedup']:9.2f}x"
               f"  {100 * r['roofline_s'] / r['patched_s']:8.0f}  {r['aa_ratio']:5.2f}"
               f"  {'ok' if r['ok'] else 'FAIL'}")  # fmt: skip
     ok = all(r["ok"] for r in rows)
