@@ -44,6 +44,7 @@ MODULES = ("reduced", "full")
 STRICT_ENV = "VLLM_H20_STRICT"
 CORE_MODULE = "flashinfer.fused_moe.core"
 GEN_NAME = "gen_cutlass_fused_moe_sm90_module"
+GET_NAME = "get_cutlass_fused_moe_module"
 # The FlashInfer releases the patches, the reduced module and CI cover (vLLM 0.26.0's, 0.30.0's
 # and 0.33.0's pins, and the newest on PyPI when this was written).
 SUPPORTED = ("0.6.14", "0.6.18.post1", "0.7.2.post1", "0.7.4")
@@ -231,7 +232,36 @@ def install_on(core: ModuleType, decision: Decision) -> None:
         )
     if getattr(stock, "vllm_h20", False):
         return
-    setattr(core, GEN_NAME, patched_generator(stock, decision))
+    gen = patched_generator(stock, decision)
+    setattr(core, GEN_NAME, gen)
+    get = getattr(core, GET_NAME, None)
+    if get is None:
+        return
+    made: list[Any] = []
+
+    def gen_and_remember(use_fast_build: bool = False) -> Any:
+        made.append(gen(use_fast_build))
+        return made[-1]
+
+    gen_and_remember.__wrapped__ = stock  # type: ignore[attr-defined]
+    gen_and_remember.vllm_h20 = True  # type: ignore[attr-defined]
+    setattr(core, GEN_NAME, gen_and_remember)
+    pointed: set[str] = set()
+
+    def get_cutlass_fused_moe_module(backend: str = "100", use_fast_build: bool = False) -> Any:
+        namespace = get(backend, use_fast_build)
+        # FlashInfer points DeepGEMM at its own headers once the module is loaded: the
+        # overlay's module needs the overlay's (once per module; this runs on every MoE call).
+        if backend == "90" and made and made[-1].name not in pointed:
+            from .route import point_deepgemm
+
+            point_deepgemm(made[-1])
+            pointed.add(made[-1].name)
+        return namespace
+
+    get_cutlass_fused_moe_module.__wrapped__ = get  # type: ignore[attr-defined]
+    get_cutlass_fused_moe_module.vllm_h20 = True  # type: ignore[attr-defined]
+    setattr(core, GET_NAME, get_cutlass_fused_moe_module)
 
 
 # --------------------------------------------------------------------------- module=reduced

@@ -21,7 +21,7 @@ from .._data import shipped_dir
 from .flashinfer_src import FlashInferSource
 from .patchfile import Patch, PatchError, apply_file, read_patch
 
-OVERLAY_FORMAT = "1"
+OVERLAY_FORMAT = "2"
 # The line the fix removes; its absence with a patch that does not apply means someone else
 # fixed it (or rewrote the code), so we must not claim either state blindly.
 BUG_FILE = (
@@ -29,6 +29,10 @@ BUG_FILE = (
     "fp8_blockscale_gemm/fp8_blockscale_gemm.cu"
 )
 BUG_LINE = "expected_m_ = shape_m;"
+# DeepGEMM compiles its kernels at run time from this header dir (the module is told where it is,
+# see route.point_deepgemm); the overlay holds it as real files, so relative includes between its
+# headers stay inside the overlay whatever the compiler makes of symlinks.
+DEEPGEMM_DIR = "nv_internal/tensorrt_llm/deep_gemm"
 
 
 class FixState(str, Enum):
@@ -195,7 +199,10 @@ def build_overlay(src: FlashInferSource, assessment: Assessment, overlay: Overla
         rel = Path(dirpath).relative_to(stock)
         (csrc / rel).mkdir(parents=True, exist_ok=True)
         for name in filenames:
-            os.symlink(Path(dirpath) / name, csrc / rel / name)
+            if rel.as_posix() == DEEPGEMM_DIR:
+                shutil.copyfile(Path(dirpath) / name, csrc / rel / name)
+            else:
+                os.symlink(Path(dirpath) / name, csrc / rel / name)
         dirnames.sort()
     for rel_csrc, text in assessment.patched.items():
         target = tmp / rel_csrc

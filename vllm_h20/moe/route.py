@@ -15,6 +15,7 @@ import os
 import shutil
 import threading
 from collections.abc import Callable
+from pathlib import Path
 from types import ModuleType
 from typing import Any
 
@@ -158,7 +159,9 @@ def load_namespace(
     with _SWAP:
         setattr(core, GEN_NAME, gen)
         try:
-            return raw("90", use_fast_build)
+            namespace = raw("90", use_fast_build)
+            point_deepgemm(specs[-1])
+            return namespace
         except FixModuleUnavailable:
             raise
         except Exception as e:  # noqa: BLE001 - load failures come from tvm_ffi / ninja
@@ -166,6 +169,30 @@ def load_namespace(
             raise FixModuleUnavailable(explain(e, library, find_nvcc())) from e
         finally:
             setattr(core, GEN_NAME, stock_gen)
+
+
+def deepgemm_include_dir(spec: Any) -> str | None:
+    """The DeepGEMM header dir that belongs to a module's sources: `<csrc>/nv_internal/
+    tensorrt_llm` of the csrc tree its sources come from (the overlay's for a patched module)."""
+    for source in getattr(spec, "sources", None) or ():
+        parts = Path(source).parts
+        if "csrc" in parts:
+            csrc = Path(*parts[: len(parts) - parts[::-1].index("csrc")])
+            return str(csrc / "nv_internal" / "tensorrt_llm")
+    return None
+
+
+def point_deepgemm(spec: Any) -> None:
+    """Make a loaded module's DeepGEMM run-time compiles read the headers of its own sources.
+
+    FlashInfer points them at its installed csrc after loading the module; a module built from
+    the overlay needs the overlay's headers (its scheduler has row classes), or its kernels
+    would not compile."""
+    include = deepgemm_include_dir(spec)
+    if include is None:
+        return
+    module = spec.load(spec.jit_library_path)  # the loaded library: its statics are the same
+    module.set_deepgemm_jit_include_dirs([include])
 
 
 def install(
