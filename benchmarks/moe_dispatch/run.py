@@ -84,14 +84,15 @@ CALIB_HOOKS = (
      "  vllm_h20_override_plan(expected_m, max_m_per_problem, m_per_expert_threshold,\n"
      "                         plan.cold_m, plan.boundary, plan.hot_m);"),
     ("    run_regular(plan.hot_m, {plan.boundary + 1, deep_gemm::kAnyRows});\n"
-     "    run_swap_ab(plan.cold_m, {1, plan.boundary});",
+     "    run_swap_ab(plan.cold_m, {1, plan.boundary}, /*overlap=*/true);",
      "    if (!vllm_h20_hot_first) run_swap_ab(plan.cold_m, {1, plan.boundary});\n"
-     "    run_regular(plan.hot_m, {plan.boundary + 1, deep_gemm::kAnyRows});\n"
-     "    if (vllm_h20_hot_first) run_swap_ab(plan.cold_m, {1, plan.boundary});"),
+     "    run_regular(plan.hot_m, {plan.boundary + 1, deep_gemm::kAnyRows},\n"
+     "                !vllm_h20_hot_first && vllm_h20_overlap);\n"
+     "    if (vllm_h20_hot_first) run_swap_ab(plan.cold_m, {1, plan.boundary}, vllm_h20_overlap);"),
     (SMS_LINE, "static int kNumDeviceSMs = vllm_h20_num_sms_override();"),
 )  # fmt: skip
 CALIB_DECLS = (
-    "extern int vllm_h20_force_branch;\nextern int vllm_h20_hot_first;\n"
+    "extern int vllm_h20_force_branch;\nextern int vllm_h20_hot_first, vllm_h20_overlap;\n"
     "int vllm_h20_num_sms_override();\nbool vllm_h20_single_launch();\n"
     "void vllm_h20_override_plan(unsigned, unsigned, unsigned, unsigned&, unsigned&, unsigned&);\n"
 )
@@ -156,15 +157,16 @@ def deepgemm_dir(data: Path, work: Path, variant: str) -> str:
 @dataclass(frozen=True)
 class Version:
     """One column of the A/B: a build, the expected_m its runner gets, and (calib build only)
-    the dispatch rule it is switched to (mode, sizing, boundary, hot_first; see set_rule)."""
+    the dispatch rule it is switched to (mode, sizing, boundary, hot_first, overlap; see
+    set_rule)."""
 
     name: str
     variant: str  # stock | patched | calib
     kind: str  # stock: expected_m = tokens (FlashInfer's); fixed: the per-expert average
-    rule: tuple[int, int, int, int] | None = None
+    rule: tuple[int, int, int, int, int] | None = None
 
 
-AVG_ONLY = (1, 0, 0, 1)  # one launch chosen from the per-expert average: the 0001 patch alone
+AVG_ONLY = (1, 0, 0, 1, 1)  # one launch chosen from the per-expert average: the 0001 patch alone
 # The run's columns: stock, the average-only fix (0001), the per-expert dispatch (0001 + 0002),
 # and the latter again (A/A: the noise floor).
 VERSIONS = (
@@ -175,12 +177,13 @@ VERSIONS = (
 )
 # --explore: row-class rules beside them (calib build), to choose the patch's rule from.
 EXPLORE = (
-    Version("s_avg_32", "calib", "fixed", (2, 1, 32, 1)),
-    Version("s_avg_tab", "calib", "fixed", (2, 1, -1, 1)),
-    Version("s_busy_128", "calib", "fixed", (2, 2, 128, 1)),
-    Version("s_busy_tab", "calib", "fixed", (2, 2, -1, 1)),
-    Version("s_busy_2x", "calib", "fixed", (2, 2, -3, 1)),
-    Version("s_busy_coldfirst", "calib", "fixed", (2, 2, -2, 0)),
+    Version("s_no_overlap", "calib", "fixed", (2, 2, -2, 1, 0)),
+    Version("s_cold_first", "calib", "fixed", (2, 2, -2, 0, 1)),
+    Version("s_avg_32", "calib", "fixed", (2, 1, 32, 1, 1)),
+    Version("s_busy_32", "calib", "fixed", (2, 2, 32, 1, 1)),
+    Version("s_busy_128", "calib", "fixed", (2, 2, 128, 1, 1)),
+    Version("s_busy_tab", "calib", "fixed", (2, 2, -1, 1, 1)),
+    Version("s_busy_2x", "calib", "fixed", (2, 2, -3, 1, 1)),
 )
 
 
@@ -371,7 +374,7 @@ class RankCase:
     """One rank's FC1 + FC2 for one routing/token count, in one build (stock or patched)."""
 
     def __init__(self, gpu: Gpu, mod, tokens: int, counts: np.ndarray, expected_m: int, seed: int,
-                 rule: tuple[int, int, int, int] | None = None):  # fmt: skip
+                 rule: tuple[int, ...] | None = None):  # fmt: skip
         torch = gpu.torch
         self.mod, self.rule = mod, rule
         self.rows = int(counts.sum())
@@ -504,7 +507,7 @@ def emulate_child(args) -> None:
     # stock: one launch from expected_m = tokens; fixed: one launch from the average (0001);
     # patched: the patch's row classes (0001 + 0002).
     versions = {"stock": (mod, "stock", AVG_ONLY), "fixed": (mod, "fixed", AVG_ONLY),
-                "patched": (mod, "fixed", (0, 0, 0, 1))}  # fmt: skip
+                "patched": (mod, "fixed", (0, 0, 0, 1, 1))}  # fmt: skip
     rows = [ab_case(gpu, versions, r, t, bw) for r, t in EMULATED_CASES]
     write_json(args.out / "emulated_78sm.json", {"sms": 78, "threshold": 64, "ab": rows})
 

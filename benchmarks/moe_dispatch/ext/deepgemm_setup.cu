@@ -19,9 +19,10 @@ int vllm_h20_force_branch = 0;
 // chosen from expected_m (the average-only fix), 2 = the rule below. sizing: what the swap-A/B
 // tiles are sized for, 1 = expected_m, 2 = the busiest expert of balanced routing. boundary: > 0
 // fixed rows; -1 = by num_rows (128 up to 512, 64 up to 2048, else 32); -2 = the busiest expert
-// rounded up to 8 (at least the threshold); -3 = twice that. hot_first: launch order.
+// rounded up to 8 (at least the threshold); -3 = twice that. hot_first: launch order; overlap:
+// the second launch may start while the first runs (programmatic dependent launch).
 int vllm_h20_rule_mode = 0, vllm_h20_rule_sizing = 2, vllm_h20_rule_boundary = -2;
-int vllm_h20_hot_first = 1;
+int vllm_h20_hot_first = 1, vllm_h20_overlap = 1;
 
 bool vllm_h20_single_launch() { return vllm_h20_force_branch != 0 || vllm_h20_rule_mode == 1; }
 
@@ -53,12 +54,13 @@ void vllm_h20_set_include_dirs(std::vector<std::string> const& dirs) {
   deep_gemm::jit::Compiler::setIncludeDirs(paths);
 }
 
-bool vllm_h20_rule_set(int mode, int sizing, int boundary, int hot_first) {
+bool vllm_h20_rule_set(int mode, int sizing, int boundary, int hot_first, int overlap) {
 #ifdef VLLM_H20_FORCE_HOOK
   vllm_h20_rule_mode = mode;
   vllm_h20_rule_sizing = sizing;
   vllm_h20_rule_boundary = boundary;
   vllm_h20_hot_first = hot_first;
+  vllm_h20_overlap = overlap;
   return true;
 #else
   return mode == 0;
