@@ -179,8 +179,6 @@ VERSIONS = (
 EXPLORE = (
     Version("s_no_overlap", "calib", "fixed", (2, 2, -2, 1, 0)),
     Version("s_cold_first", "calib", "fixed", (2, 2, -2, 0, 1)),
-    Version("s_avg_32", "calib", "fixed", (2, 1, 32, 1, 1)),
-    Version("s_busy_32", "calib", "fixed", (2, 2, 32, 1, 1)),
     Version("s_busy_128", "calib", "fixed", (2, 2, 128, 1, 1)),
     Version("s_busy_tab", "calib", "fixed", (2, 2, -1, 1, 1)),
     Version("s_busy_2x", "calib", "fixed", (2, 2, -3, 1, 1)),

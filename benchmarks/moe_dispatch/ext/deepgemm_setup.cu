@@ -23,6 +23,8 @@ int vllm_h20_force_branch = 0;
 // the second launch may start while the first runs (programmatic dependent launch).
 int vllm_h20_rule_mode = 0, vllm_h20_rule_sizing = 2, vllm_h20_rule_boundary = -2;
 int vllm_h20_hot_first = 1, vllm_h20_overlap = 1;
+// One launch when num_rows is at most this (0: never forced).
+int vllm_h20_rule_single_below = 128;
 
 bool vllm_h20_single_launch() { return vllm_h20_force_branch != 0 || vllm_h20_rule_mode == 1; }
 
@@ -37,6 +39,9 @@ void vllm_h20_override_plan(unsigned expected_m, unsigned max_m, unsigned thresh
              : b == -1 ? (max_m <= 512 ? 128u : max_m <= 2048 ? 64u : 32u)
              : b == -2 ? busy8
                        : std::min(128u, 2 * busy8);
+  if (vllm_h20_rule_single_below > 0 && max_m <= unsigned(vllm_h20_rule_single_below)) {
+    boundary = max_m;  // no expert can exceed it: one launch
+  }
   cold_m = std::min(vllm_h20_rule_sizing == 1 ? m : busiest, boundary);
   hot_m = max_m;
 }
