@@ -58,10 +58,15 @@ def export_tests(repo: Path, tag: str, dest: Path, version: str) -> list[str]:
     with tarfile.open(fileobj=io.BytesIO(archive)) as t:
         t.extractall(dest, filter="data")
     added = []
-    for patch in shipped_patches(version):
+    for patch in shipped_patches(version):  # in order: a later patch may change an added test
         for diff in patch.files:
-            if diff.path.startswith("tests/") and diff.old_path is None:
-                (dest / diff.path).write_text(apply_file(diff, None))
+            if not diff.path.startswith("tests/"):
+                continue
+            target = dest / diff.path
+            before = target.read_text() if target.is_file() else None
+            target.parent.mkdir(parents=True, exist_ok=True)
+            target.write_text(apply_file(diff, before))
+            if diff.path not in added:
                 added.append(diff.path)
     return added
 

@@ -83,8 +83,8 @@ CALIB_HOOKS = (
      PLAN_LINE + "\n"
      "  vllm_h20_override_plan(expected_m, max_m_per_problem, m_per_expert_threshold,\n"
      "                         plan.cold_m, plan.boundary, plan.hot_m);"),
-    ("    run_regular(plan.hot_m, {plan.boundary + 1, deep_gemm::kAnyRows});\n"
-     "    run_swap_ab(plan.cold_m, {1, plan.boundary}, /*overlap=*/true);",
+    ("    run_swap_ab(plan.cold_m, {1, plan.boundary});\n"
+     "    run_regular(plan.hot_m, {plan.boundary + 1, deep_gemm::kAnyRows}, /*overlap=*/true);",
      "    if (!vllm_h20_hot_first) run_swap_ab(plan.cold_m, {1, plan.boundary});\n"
      "    run_regular(plan.hot_m, {plan.boundary + 1, deep_gemm::kAnyRows},\n"
      "                !vllm_h20_hot_first && vllm_h20_overlap);\n"
@@ -177,11 +177,10 @@ VERSIONS = (
 )
 # --explore: row-class rules beside them (calib build), to choose the patch's rule from.
 EXPLORE = (
-    Version("s_no_overlap", "calib", "fixed", (2, 2, -2, 1, 0)),
-    Version("s_cold_first", "calib", "fixed", (2, 2, -2, 0, 1)),
-    Version("s_busy_128", "calib", "fixed", (2, 2, 128, 1, 1)),
-    Version("s_busy_tab", "calib", "fixed", (2, 2, -1, 1, 1)),
-    Version("s_busy_2x", "calib", "fixed", (2, 2, -3, 1, 1)),
+    Version("s_hot_first", "calib", "fixed", (2, 2, -2, 1, 1)),
+    Version("s_no_overlap", "calib", "fixed", (2, 2, -2, 0, 0)),
+    Version("s_busy_128", "calib", "fixed", (2, 2, 128, 0, 1)),
+    Version("s_busy_tab", "calib", "fixed", (2, 2, -1, 0, 1)),
 )
 
 
@@ -505,7 +504,7 @@ def emulate_child(args) -> None:
     # stock: one launch from expected_m = tokens; fixed: one launch from the average (0001);
     # patched: the patch's row classes (0001 + 0002).
     versions = {"stock": (mod, "stock", AVG_ONLY), "fixed": (mod, "fixed", AVG_ONLY),
-                "patched": (mod, "fixed", (0, 0, 0, 1, 1))}  # fmt: skip
+                "patched": (mod, "fixed", (0, 0, 0, 0, 1))}  # fmt: skip
     rows = [ab_case(gpu, versions, r, t, bw) for r, t in EMULATED_CASES]
     write_json(args.out / "emulated_78sm.json", {"sms": 78, "threshold": 64, "ab": rows})
 

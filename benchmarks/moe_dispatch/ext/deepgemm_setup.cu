@@ -22,7 +22,7 @@ int vllm_h20_force_branch = 0;
 // rounded up to 8 (at least the threshold); -3 = twice that. hot_first: launch order; overlap:
 // the second launch may start while the first runs (programmatic dependent launch).
 int vllm_h20_rule_mode = 0, vllm_h20_rule_sizing = 2, vllm_h20_rule_boundary = -2;
-int vllm_h20_hot_first = 1, vllm_h20_overlap = 1;
+int vllm_h20_hot_first = 0, vllm_h20_overlap = 1;  // the patch's order and overlap
 // One launch when num_rows is at most this (0: never forced).
 int vllm_h20_rule_single_below = 128;
 
