@@ -86,6 +86,8 @@ def load_modules() -> dict:
     from vllm_h20.moe import dispatch, route
 
     out = {}
+    # The fix last: should the two modules share DeepGEMM's include list (one process), the
+    # overlay's headers win, and they compile the stock module's kernels as its own would.
     for name, mode in (("stock", "stock"), ("fix", "per_expert")):
         decision = dispatch.decide(
             env={dispatch.ENV: mode, dispatch.MODULE_ENV: "reduced", dispatch.STRICT_ENV: "1"}
