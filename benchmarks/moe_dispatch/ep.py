@@ -94,9 +94,9 @@ def _warm_child(args) -> int:
     import torch
 
     mods = {v: single.load_built(Path(work), v) for v in VARIANTS}
-    for m in mods.values():
-        m.set_include_dirs([str(Path(data) / "csrc" / "nv_internal" / "tensorrt_llm")])
     for variant, si, num_rows, em in jobs:
+        # Each build's own DeepGEMM headers (the patched ones have row classes).
+        mods[variant].set_include_dirs([single.deepgemm_dir(Path(data), Path(work), variant)])
         single.warm_gemm(mods[variant], si, num_rows, cases.TOP_K, em)()
         torch.cuda.synchronize()
     return len(jobs)
@@ -197,7 +197,7 @@ def rank_main(rank: int, world: int, args, port: int, results: str) -> None:
                             device_id=torch.device("cuda", rank))  # fmt: skip
     data = single.unpack_flashinfer(args.flashinfer, args.work)
     mods = {v: single.load_built(args.work, v) for v in VARIANTS}
-    gpu = single.Gpu(mods, data, seed=rank)
+    gpu = single.Gpu(mods, data, args.work, seed=rank)
     rows_out = []
     for routing, tokens in case_list(args.quick):
         rows_out.append(run_case(gpu, mods, routing, tokens, rank))

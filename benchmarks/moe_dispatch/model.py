@@ -133,3 +133,41 @@ def rank_terms(counts, tokens: int, version: str, sms: int, threshold: int | Non
     )
     path = path_of(m, sms, threshold)
     return path, [gemm_terms(counts, s, m, path, sms) for s in cases.SHAPES]
+
+
+MAX_SWAP_ROWS = 128  # the widest swap-A/B row tile
+
+
+def plan_row_classes(expected_m: int, max_m: int, threshold: int) -> tuple[int, int | None]:
+    """(rows the swap-A/B tiles are sized for, boundary or None for one launch): a port of
+    plan_row_classes in the patched fp8_blockscale_gemm_kernel.cuh."""
+    m = max(expected_m, 1)
+    busiest = m + math.ceil(3 * math.sqrt(m))
+    if max_m <= MAX_SWAP_ROWS:
+        return min(busiest, max_m), None
+    boundary = max(threshold, min(MAX_SWAP_ROWS, -(-busiest // 8) * 8))
+    return min(busiest, boundary), boundary
+
+
+def launches(counts, tokens: int, version: str, sms: int) -> list[tuple[str, list]]:
+    """(path, terms) per kernel launch one rank makes for FC1 + FC2. stock / fixed: one launch
+    per GEMM (fixed = the average-only estimate); split: the per-expert dispatch, a swap-A/B
+    launch for the experts with 1..boundary rows and a regular one for the rest."""
+    if version != "split":
+        return [rank_terms(counts, tokens, version, sms)]
+    th = swap_threshold(sms)
+    avg = per_expert_expected_m(tokens, cases.TOP_K, cases.LOCAL, cases.EP)
+    cold_m, boundary = plan_row_classes(avg, tokens, th)
+    if boundary is None:
+        return [("swap_ab", [gemm_terms(counts, s, cold_m, "swap_ab", sms) for s in cases.SHAPES])]
+    cold = np.where(counts <= boundary, counts, 0)
+    hot = np.where(counts > boundary, counts, 0)
+    return [
+        ("swap_ab", [gemm_terms(cold, s, cold_m, "swap_ab", sms) for s in cases.SHAPES]),
+        ("regular", [gemm_terms(hot, s, tokens, "regular", sms) for s in cases.SHAPES]),
+    ]
+
+
+def predict(fits: dict, counts, tokens: int, version: str, sms: int) -> float:
+    """Seconds for one rank's FC1 + FC2 under a version (each launch pays its c0)."""
+    return sum(fits[p].predict(terms) for p, terms in launches(counts, tokens, version, sms))

@@ -39,8 +39,8 @@ def test_published_report_is_rendered_from_the_published_results(tmp_path):
     assert (tmp_path / "fused_moe_h200.png").stat().st_size > 10_000
     md = (RESULTS / "fused_moe_h200.md").read_text()
     assert (
-        "33 of 33 cases pass" in md
-        and "| per_expert | `test_fp8_blockscale_moe_expected_m.py` | 4 passed" in md
+        "44 of 44 cases pass" in md
+        and "| per_expert | `test_fp8_blockscale_moe_expected_m.py` | 5 passed" in md
     )
 
 
@@ -68,7 +68,9 @@ def test_stage_exports_flashinfers_tests_and_the_patch_test(tmp_path):
     added = stage.export_tests(repo, "v0.6.14", out, "0.6.14")
     assert added == ["tests/moe/test_fp8_blockscale_moe_expected_m.py"]
     text = (out / added[0]).read_text()
+    # Added by 0001, changed by 0002: the export applies the series in order.
     assert "def test_kernel_follows_rows_per_expert" in text
+    assert "def test_skewed_routing_runs_both_classes_in_one_call" in text
     assert (out / "tests/moe/test_trtllm_cutlass_fused_moe.py").is_file()
     with pytest.raises(SystemExit, match="cannot export v9.9.9's tests"):
         stage.export_tests(repo, "v9.9.9", tmp_path / "other", "0.6.14")

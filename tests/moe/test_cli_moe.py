@@ -30,7 +30,7 @@ def test_kernels_status_says_which_module_serves_which_call(installed_fi, tmp_pa
                             sorted((ROOT / "patches" / "flashinfer").glob("*.patch"))]  # fmt: skip
     assert s["routes"] == [
         "cutlass_fused_moe(use_deepseek_fp8_block_scale=True) -> the reduced fix module "
-        "(patched sources, per-expert expected_m)",
+        "(patched sources, per-expert kernel choice)",
         "every other cutlass_fused_moe call -> FlashInfer's own SM90 fused-MoE module "
         "(built by FlashInfer on first use)",
     ]
@@ -110,8 +110,9 @@ def test_kernels_build_dry_run_prepares_the_reduced_modules(installed_fi, tmp_pa
     assert built[0]["module"].startswith("fused_moe_90_vllm_h20_bs_fix_")
     assert built[1]["module"].startswith("fused_moe_90_vllm_h20_bs_stock_")
     assert all(b["objects"] == 16 for b in built)
-    # The fix compiles three sources that include patched files; the stock module none.
+    # The fix compiles four sources that include patched files; the stock module none.
     assert sorted(Path(t).name for t in built[0]["plan"]["touched"]) == [
+        "deepgemm_jit_setup.cu",
         "flashinfer_cutlass_fused_moe_binding.cu",
         "fp8_blockscale_gemm.cu",
         "vllm_h20_cutlass_fused_moe_instantiation.cu",
@@ -129,7 +130,7 @@ def test_kernels_build_dry_run_of_the_full_module(installed_fi, tmp_path):
     r = cli("kernels", "build", "--dry-run", "--module", "full", "--variant", "generic", **env)
     assert r.returncode == 0, r.stderr
     assert "would build fused_moe_90_vllm_h20_" in r.stderr
-    assert "3 of them from patched sources" in r.stderr
+    assert "4 of them from patched sources" in r.stderr
     assert str(tmp_path / "c" / "flashinfer" / installed_fi.version) in r.stderr
     r = cli("kernels", "build", "--dry-run", "--module", "full", "--dispatch", "stock", **env)
     assert r.returncode == 2 and "FlashInfer builds its own" in r.stderr

@@ -113,7 +113,7 @@ def test_patched_spec_moves_the_build_onto_the_overlay(installed_fi, patches, ji
     assert stock_refs == [f"-isystem {stock} $"], stock_refs
 
 
-def test_touched_sources_are_the_three_that_include_patched_files(
+def test_touched_sources_are_the_four_that_include_patched_files(
     installed_fi, patches, jit_spec, tmp_path
 ):
     from vllm_h20.moe import build
@@ -123,6 +123,7 @@ def test_touched_sources_are_the_three_that_include_patched_files(
     touched = build.touched_sources(spec.sources, list(spec.extra_include_dirs), ov)
     assert sorted(t.name for t in touched) == [
         "cutlass_fused_moe_instantiation.cu",
+        "deepgemm_jit_setup.cu",  # DeepGEMM's compiler.cuh (row classes)
         "flashinfer_cutlass_fused_moe_binding.cu",
         "fp8_blockscale_gemm.cu",
     ]

@@ -157,7 +157,7 @@ def test_vllm_loads_the_plugin_and_flashinfer_routes_block_scale_calls(installed
     )
     res, log = _vllm_result(**env)
     assert res == {"router": True, "whole": False, "sm90": "Sm90Routes"}, log
-    assert log.count("vllm-h20: MoE dispatch: per-expert expected_m") == 1
+    assert log.count("vllm-h20: MoE dispatch: per-expert kernel choice") == 1
     assert "runs on the reduced fix module" in log
 
     res, log = _vllm_result(VLLM_H20_MOE_DISPATCH="stock", **env)

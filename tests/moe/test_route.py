@@ -220,3 +220,24 @@ def test_explain_names_cause_and_fix(tmp_path):
     assert "nvcc was not found" in route.explain(RuntimeError("x"), None, None)
     msg = route.explain(RuntimeError("ninja failed (exit 1): error: boom"), None, "/bin/nvcc")
     assert msg.startswith("building the fix module failed (ninja failed") and "--clean" in msg
+
+
+def test_deepgemm_reads_the_headers_of_the_modules_own_sources(jit_spec, installed_fi, tmp_path):
+    """DeepGEMM's run-time compiles must see the row-class scheduler for the fix module (the
+    overlay's headers) and FlashInfer's own for the stock A/B module."""
+    from flashinfer.jit import fused_moe
+
+    from vllm_h20.moe import dispatch
+
+    found = {}
+    for mode in ("per_expert", "stock"):
+        decision = dispatch.decide({dispatch.ENV: mode})
+        spec = dispatch.reduced_spec(decision, fused_moe.gen_cutlass_fused_moe_sm90_module,
+                                     cache=tmp_path / "c", build=False)  # fmt: skip
+        found[mode] = Path(route.deepgemm_include_dir(spec))
+    scheduler = found["per_expert"] / "deep_gemm" / "scheduler.cuh"
+    assert found["per_expert"].is_relative_to(tmp_path / "c")
+    assert not scheduler.is_symlink() and "rows_in_class" in scheduler.read_text()
+    stock = installed_fi.root / "csrc" / "nv_internal" / "tensorrt_llm"
+    assert found["stock"].resolve() == stock.resolve()
+    assert "rows_in_class" not in (found["stock"] / "deep_gemm" / "scheduler.cuh").read_text()

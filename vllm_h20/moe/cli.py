@@ -52,7 +52,7 @@ def _routes(decision: dispatch.Decision) -> list[tuple[str, str]]:
     flashinfer = "FlashInfer's own SM90 fused-MoE module (built by FlashInfer on first use)"
     if decision.route is not None:
         which = (
-            "the reduced fix module (patched sources, per-expert expected_m)"
+            "the reduced fix module (patched sources, per-expert kernel choice)"
             if decision.route == "fix"
             else "the reduced stock module (unpatched sources: the A/B baseline)"
         )

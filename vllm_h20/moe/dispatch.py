@@ -166,19 +166,19 @@ def decide(
             ov = overlay_for(src, patches)
             return Decision(
                 s.mode, True,
-                f"MoE dispatch: per-expert expected_m; {where} SM90 fused-MoE module builds from "
-                f"patched sources in {ov.root} ({series}: {a.detail})",
+                f"MoE dispatch: per-expert kernel choice; {where} SM90 fused-MoE module builds "
+                f"from patched sources in {ov.root} ({series}: {a.detail})",
                 src=src, assessment=a, patches=patches, strict=s.strict,
             )  # fmt: skip
         return Decision(
             s.mode, False,
-            f"MoE dispatch: per-expert expected_m; FP8 block-scale MoE runs on the reduced fix "
+            f"MoE dispatch: per-expert kernel choice; FP8 block-scale MoE runs on the reduced fix "
             f"module built from {where} + {series} ({a.detail}); other MoE calls on FlashInfer's "
             f"own module",
             src=src, assessment=a, patches=patches, route="fix", strict=s.strict,
         )  # fmt: skip
     if a.state is FixState.HAS_FIX:
-        msg = f"MoE dispatch: per-expert expected_m; {where} already contains the fix, unchanged"
+        msg = f"MoE dispatch: per-expert kernel choice; {where} already contains the fix, unchanged"
         return Decision(s.mode, False, msg, src=src, assessment=a)
     if a.state is FixState.FIXED_UPSTREAM:
         msg = f"MoE dispatch: {where} unchanged; {a.detail}"
@@ -235,7 +235,7 @@ def install_on(core: ModuleType, decision: Decision) -> None:
     gen = patched_generator(stock, decision)
     setattr(core, GEN_NAME, gen)
     get = getattr(core, GET_NAME, None)
-    if get is None:
+    if get is None or getattr(get, "vllm_h20_full", False):
         return
     made: list[Any] = []
 
@@ -260,7 +260,8 @@ def install_on(core: ModuleType, decision: Decision) -> None:
         return namespace
 
     get_cutlass_fused_moe_module.__wrapped__ = get  # type: ignore[attr-defined]
-    get_cutlass_fused_moe_module.vllm_h20 = True  # type: ignore[attr-defined]
+    get_cutlass_fused_moe_module.vllm_h20_full = True  # type: ignore[attr-defined]
+    get_cutlass_fused_moe_module.cache_clear = getattr(get, "cache_clear", None)  # type: ignore[attr-defined]
     setattr(core, GET_NAME, get_cutlass_fused_moe_module)
 
 
