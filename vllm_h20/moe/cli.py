@@ -571,7 +571,11 @@ def export(out: Path, results: Path) -> None:
 
 
 def _pr_text(ps, evidence: list[Path], variants: list[str] = ()) -> str:
-    parts = [f"# {ps[0].subject}", ""]
+    # The series' last commit says what the PR as a whole does; the list names every commit.
+    parts = [f"# {ps[-1].subject}", ""]
+    if len(ps) > 1:
+        parts += [f"{len(ps)} commits, in order:", ""]
+        parts += [f"{i}. {p.subject}" for i, p in enumerate(ps, 1)] + [""]
     for p in ps:
         body = p.message
         marker = body.find("\nEvidence:")
