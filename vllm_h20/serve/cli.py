@@ -113,6 +113,17 @@ def plan_cmd(file, model, gpu, as_json) -> None:
     sys.exit(0 if p.fits else EXIT_CHECK_FAILED)
 
 
+def _last_flag(argv: list[str], flag: str) -> str | None:
+    """The value of the last `flag VALUE` or `flag=VALUE` in argv (vLLM: the last one wins)."""
+    value = None
+    for i, a in enumerate(argv):
+        if a == flag and i + 1 < len(argv):
+            value = argv[i + 1]
+        elif a.startswith(flag + "="):
+            value = a.split("=", 1)[1]
+    return value
+
+
 @click.command(context_settings={"ignore_unknown_options": True})
 @click.argument("file")
 @click.option("--model", type=click.Path(path_type=Path), default=None,
@@ -139,11 +150,19 @@ def serve(file, model, gpu, dry_run, force, extra) -> None:
     model = model or (Path(r.flags["model"]) if "model" in r.flags else None)
     if model is None:
         _fail(f"{r.path}: no model: pass --model DIR or set `model:` in the recipe")
-    p = _plan(r, res, model, gpu)
-    _print_plan(p)
-    if not p.fits and not force:
-        _fail(f"will not fit: {p.why} (see the plan above; --force starts anyway)",
-              EXIT_CHECK_FAILED)  # fmt: skip
+    load_format = _last_flag(list(extra), "--load-format") or r.flags.get("load-format")
+    if load_format == "dummy":
+        if not (model / "config.json").is_file():
+            _fail(f"{model}: no config.json; with load-format dummy --model is a directory "
+                  "holding the model's config.json and tokenizer")  # fmt: skip
+        # Random weights: no checkpoint to read sizes from; vLLM measures memory at start.
+        click.echo("plan: skipped: load-format dummy (random weights, no checkpoint to size)")
+    else:
+        p = _plan(r, res, model, gpu)
+        _print_plan(p)
+        if not p.fits and not force:
+            _fail(f"will not fit: {p.why} (see the plan above; --force starts anyway)",
+                  EXIT_CHECK_FAILED)  # fmt: skip
     vllm = shutil.which("vllm")
     argv = [vllm or "vllm", "serve", str(model), "--config", str(r.path), *extra]
     click.echo("$ " + shlex.join(argv))

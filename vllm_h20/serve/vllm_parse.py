@@ -22,7 +22,11 @@ def _result(**kw) -> None:
 def main(path: str) -> None:
     import vllm
     import yaml
-    from vllm.entrypoints.common.cli_args import make_arg_parser
+
+    try:
+        from vllm.entrypoints.common.cli_args import make_arg_parser
+    except ImportError:  # vLLM <= 0.26 (the one that runs on torch 2.11)
+        from vllm.entrypoints.openai.cli_args import make_arg_parser
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
     parser = make_arg_parser(FlexibleArgumentParser())
@@ -64,20 +68,26 @@ def main(path: str) -> None:
         args = AsyncEngineArgs.from_cli_args(ns)
     except Exception as e:  # noqa: BLE001 - any vLLM validation error is the answer
         return _result(ok=False, key=None, error=f"{type(e).__name__}: {e}")
+
+    def get(obj, *path):  # fields an older vLLM lacks (Engram before 0.30) read as None
+        for name in path:
+            obj = obj.get(name) if isinstance(obj, dict) else getattr(obj, name, None)
+        return obj
+
     parsed = {
         "tensor_parallel_size": args.tensor_parallel_size,
         "data_parallel_size": args.data_parallel_size,
         "enable_expert_parallel": args.enable_expert_parallel,
-        "enable_eplb": args.enable_eplb,
-        "num_redundant_experts": args.eplb_config.num_redundant_experts,
+        "enable_eplb": get(args, "enable_eplb"),
+        "num_redundant_experts": get(args, "eplb_config", "num_redundant_experts"),
         "gpu_memory_utilization": args.gpu_memory_utilization,
         "max_model_len": args.max_model_len,
         "block_size": args.block_size,
-        "max_cudagraph_capture_size": args.max_cudagraph_capture_size,
-        "engram_cpu_offload": getattr(args.engram_config, "cpu_offload", None),
-        "engram_use_thp": getattr(args.engram_config, "use_thp", None),
-        "moe_backend": args.moe_backend,
-        "num_speculative_tokens": (args.speculative_config or {}).get("num_speculative_tokens"),
+        "max_cudagraph_capture_size": get(args, "max_cudagraph_capture_size"),
+        "engram_cpu_offload": get(args, "engram_config", "cpu_offload"),
+        "engram_use_thp": get(args, "engram_config", "use_thp"),
+        "moe_backend": get(args, "moe_backend"),
+        "num_speculative_tokens": get(args, "speculative_config", "num_speculative_tokens"),
     }
     _result(ok=True, vllm=vllm.__version__, flags=len(flags), parsed=parsed)
 

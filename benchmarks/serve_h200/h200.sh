@@ -1,0 +1,147 @@
+#!/usr/bin/env bash
+# The serving A/B on a Hopper GPU machine without network, in steps that each rerun safely
+# (state lives in $SH, default /tmp/serve_h200; servers run under setsid and outlive a step):
+#
+#   h200.sh boot            install FlashInfer + vllm-h20 from .stage/boot.tar; start building
+#                           both reduced modules (fix + stock) in the background
+#   h200.sh take            move carried .stage/piece-* into $SH/pieces (one per device call)
+#   h200.sh install         join the pieces, install vLLM 0.26.0 + its wheels into $SITE
+#   h200.sh serve NAME...   start servers: fix (port 8001), stock (8002), triton (8003)
+#   h200.sh wait NAME...    wait until each answers /health (or died: its log tail)
+#   h200.sh check           correctness (fix vs stock), decode-step routing, profiles
+#   h200.sh sweep SPEC NAME...   vllm-h20 bench sweep (resumes) into $SH/runs/SPEC[-$TAG]
+#   h200.sh stop NAME       stop a server
+#   h200.sh collect OUT     results (no traces) -> OUT/serve_h200.tar.gz
+#
+# .stage/ comes from benchmarks/serve_h200/stage.py on a machine with network.
+set -uo pipefail
+step=${1:?boot|take|install|serve|wait|check|sweep|stop|collect}; shift
+cd "$(dirname "$0")/../.."
+repo=$PWD
+SH=${SH:-/tmp/serve_h200}
+SITE=${SITE:-$SH/site}
+mkdir -p "$SH"/{logs,pieces,runs,check,prof}
+export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
+export PYTHONPATH=$SITE PATH=$SITE/bin:$PATH
+# The fix module and the DeepGEMM kernels it compiles at run time are cached here, shared by
+# every server and by `kernels build` (the patched kernels' names differ from stock ones).
+export FLASHINFER_WORKSPACE_BASE=$SH/jit VLLM_H20_CACHE_DIR=$SH/vllm-h20
+export TRTLLM_DG_CACHE_DIR=$SH/deepgemm
+TRTLLM_DG_NVCC_COMPILER=${TRTLLM_DG_NVCC_COMPILER:-$(command -v nvcc || echo /usr/local/cuda/bin/nvcc)}
+export TRTLLM_DG_NVCC_COMPILER
+# The FP8 linears on vLLM's precompiled CUTLASS block-scale kernel in every server: its
+# default here (FlashInfer's DeepGEMM) JIT-compiles ~1,300 kernels at start (> 5 min).
+export VLLM_DISABLED_KERNELS=FlashInferFp8DeepGEMMDynamicBlockScaledKernel,DeepGemmFp8BlockScaledMMKernel
+export VLLM_DEEP_GEMM_WARMUP=skip
+model=$SH/stage/model
+recipe=$repo/recipes/test-h200-dsv3-fp8-flashinfer-cutlass.yaml
+
+port() { case $1 in fix) echo 8001 ;; stock) echo 8002 ;; triton) echo 8003 ;;
+         *) echo "unknown server $1 (fix|stock|triton)" >&2; return 1 ;; esac; }
+healthy() { curl -sf -m 2 "localhost:$(port "$1")/health" >/dev/null; }
+
+case $step in
+boot)
+    if [ ! -f "$SH/stage/.boot" ]; then
+        mkdir -p "$SH/stage" && tar -xf .stage/boot.tar -C "$SH/stage" || exit 1
+        python3 -m pip install -q --no-index --no-deps --no-compile --target "$SITE" \
+            "$SH"/stage/boot/*.whl || exit 1
+        touch "$SH/stage/.boot"
+    fi
+    if [ ! -f "$SH/build.done" ] && ! pgrep -f "kernels build" >/dev/null; then
+        # Both reduced modules, so neither server compiles on its first MoE call.
+        setsid bash -c "vllm-h20 kernels build --dispatch both --json > $SH/build.json \
+            2> $SH/logs/build.log && touch $SH/build.done" < /dev/null > /dev/null 2>&1 &
+    fi
+    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+    python3 -c "import torch, flashinfer; print('torch', torch.__version__, 'flashinfer', flashinfer.__version__)"
+    ;;
+take)
+    for p in .stage/piece-*; do [ -e "$p" ] && mv "$p" "$SH/pieces/"; done
+    ls -l "$SH/pieces" | tail -n +2 | awk '{print $5, $9}'
+    ;;
+install)
+    if [ ! -f "$SH/stage/.installed" ]; then
+        want=$(cat "$SH/stage/boot/pieces.txt")
+        have=$(ls "$SH/pieces" | wc -l)
+        [ "$have" = "$want" ] || { echo "have $have of $want pieces"; exit 1; }
+        cat "$SH"/pieces/piece-* | tar -x -C "$SH/stage" || exit 1
+        python3 -m pip install -q --no-index --no-deps --no-compile --target "$SITE" \
+            "$SH"/stage/wheels/*.whl 2>&1 | grep -v "already exists" | tail -n 5
+        python3 -c "import vllm; print('vllm', vllm.__version__)" || exit 1
+        touch "$SH/stage/.installed"
+    fi
+    vllm-h20 recipe check "$recipe" || exit 1
+    ;;
+serve)
+    for n in "$@"; do
+        p=$(port "$n") || exit 1
+        healthy "$n" && { echo "$n: already serving on $p"; continue; }
+        pgrep -f -- "--port $p" >/dev/null && { echo "$n: starting (pid $(pgrep -f -- "--port $p" | head -1))"; continue; }
+        if [ "$n" != triton ]; then
+            for _ in $(seq 600); do [ -f "$SH/build.done" ] && break; pgrep -f "kernels build" >/dev/null || break; sleep 1; done
+            [ -f "$SH/build.done" ] || { echo "kernels build failed:"; tail -n 20 "$SH/logs/build.log"; exit 1; }
+        fi
+        args=(--port "$p" --served-model-name "$n"
+              --profiler-config "{\"profiler\": \"torch\", \"torch_profiler_dir\": \"$SH/prof/$n\", \"torch_profiler_with_stack\": false, \"ignore_frontend\": true, \"delay_iterations\": 8, \"max_iterations\": 12}")
+        envs=(VLLM_H20_STRICT=1)
+        case $n in
+            stock) envs+=(VLLM_H20_MOE_DISPATCH=stock) ;;
+            triton) args+=(--moe-backend triton) ;;
+        esac
+        env "${envs[@]}" setsid vllm-h20 serve "$recipe" --model "$model" -- "${args[@]}" \
+            > "$SH/logs/$n.log" 2>&1 < /dev/null &
+        echo "$n: started on port $p"
+    done
+    ;;
+wait)
+    deadline=$(( $(date +%s) + ${WAIT_S:-540} ))
+    for n in "$@"; do
+        p=$(port "$n") || exit 1
+        until healthy "$n"; do
+            if ! pgrep -f -- "--port $p" >/dev/null; then
+                echo "$n: server exited:"; grep -v "^\s*$" "$SH/logs/$n.log" | tail -n 25; exit 1
+            fi
+            [ "$(date +%s)" -ge "$deadline" ] && { echo "$n: not healthy yet"; tail -n 3 "$SH/logs/$n.log"; exit 3; }
+            sleep 2
+        done
+        echo "$n: healthy; $(grep -m1 -o 'vllm-h20: .*' "$SH/logs/$n.log" | cut -c1-160)"
+    done
+    ;;
+check)
+    python3 benchmarks/serve_h200/probe.py compare --out "$SH/check" fix=8001 stock=8002 || exit 1
+    python3 benchmarks/serve_h200/probe.py routing --out "$SH/check" fix=8001 || exit 1
+    for n in fix stock; do
+        python3 benchmarks/serve_h200/probe.py profile --out "$SH/check" --trace-dir "$SH/prof/$n" "$n=$(port $n)" || exit 1
+    done
+    ;;
+sweep)
+    spec=${1:?spec}; shift
+    targets=(); for n in "$@"; do targets+=(--target "$n=http://127.0.0.1:$(port "$n")"); done
+    name=$(basename "$spec" .yaml)${TAG:+-$TAG}   # TAG: another set of targets, same spec
+    resume=(); [ -d "$SH/runs/$name" ] && resume=(--resume)
+    vllm-h20 bench sweep "$spec" "${targets[@]}" --tokenizer "$model" --out "$SH/runs/$name" "${resume[@]}"
+    ;;
+stop)
+    # The server is a session leader (setsid): end its whole process group, engine core too.
+    for n in "$@"; do
+        pid=$(pgrep -f -- "--port $(port "$n")" | head -n 1)
+        [ -n "$pid" ] || { echo "$n: not running"; continue; }
+        pgid=$(ps -o pgid= "$pid" | tr -d ' ')
+        kill -TERM -- "-$pgid"
+        for _ in $(seq 60); do pgrep -g "$pgid" >/dev/null || break; sleep 1; done
+        pgrep -g "$pgid" >/dev/null && kill -KILL -- "-$pgid"
+        echo "$n: stopped"
+    done
+    ;;
+collect)
+    OUT=${1:?out dir}; mkdir -p "$OUT"
+    nvidia-smi > "$SH/logs/nvidia-smi.txt" 2>&1
+    python3 -m pip list --path "$SITE" 2>/dev/null > "$SH/logs/site-packages.txt"
+    python3 -c "import torch; print('torch', torch.__version__, torch.version.cuda)" >> "$SH/logs/site-packages.txt"
+    cp "$SH/build.json" "$SH/logs/" 2>/dev/null
+    tar -czf "$OUT/serve_h200.tar.gz" -C "$SH" logs check runs
+    ls -l "$OUT"
+    ;;
+*) echo "unknown step $step" >&2; exit 2 ;;
+esac

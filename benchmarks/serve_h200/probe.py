@@ -1,0 +1,248 @@
+"""Ask running vLLM servers what the serving A/B needs besides throughput (stdlib + numpy only:
+it runs on the GPU machine next to the servers).
+
+- `compare`: greedy completions of fixed prompts on two servers: first-token logprobs (top 20)
+  and how many of the first 64 tokens are identical.
+- `routing`: routed rows per expert in single decode steps, from vLLM's own routed-experts
+  capture (`enable-return-routed-experts`), at 64 and 256 concurrent requests.
+- `profile`: vLLM's torch profiler over a few decode steps under load: the GPU kernels that ran,
+  with time per step, and which DeepGEMM MoE kernels (swap-A/B or regular) they were.
+
+    python probe.py compare --out DIR fix=8001 stock=8002
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import gzip
+import io
+import json
+import sys
+import time
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+PROMPTS = [
+    "The quick brown fox jumps over the lazy dog.",
+    "Serving mixture-of-experts models on Hopper GPUs",
+    "Inference engineers compare throughput and latency",
+    "The scheduler gives each expert's rows to the kernel that suits them.",
+    "FP8 block scales: one float per 128 x 128 block of weights.",
+    "1, 2, 3, 4, 5, 6, 7, 8,",
+    "Routing sends every token to six of the 384 experts",
+    "A hot expert with hundreds of rows",
+]
+GREEDY_TOKENS = 64
+TOP_LOGPROBS = 20
+
+
+def post(port: int, path: str, body: dict | None = None, timeout: float = 600) -> dict:
+    data = json.dumps(body or {}).encode()
+    req = urllib.request.Request(f"http://127.0.0.1:{port}{path}", data=data,
+                                 headers={"Content-Type": "application/json"})  # fmt: skip
+    with urllib.request.urlopen(req, timeout=timeout) as r:
+        raw = r.read()
+    return json.loads(raw) if raw.strip() else {}
+
+
+def complete(name: str, port: int, prompt: str, **kw) -> dict:
+    body = {"model": name, "prompt": prompt, **kw}
+    return post(port, "/v1/completions", body)
+
+
+def _servers(specs: list[str]) -> list[tuple[str, int]]:
+    out = []
+    for s in specs:
+        name, _, port = s.partition("=")
+        if not port.isdigit():
+            sys.exit(f"probe: {s!r}: expected NAME=PORT")
+        out.append((name, int(port)))
+    return out
+
+
+def cmd_compare(a) -> None:
+    (na, pa), (nb, pb) = _servers(a.servers)
+    rows = []
+    for prompt in PROMPTS:
+        res = {}
+        for name, port in ((na, pa), (nb, pb)):
+            r = complete(name, port, prompt, max_tokens=GREEDY_TOKENS, temperature=0,
+                         logprobs=TOP_LOGPROBS, ignore_eos=True,
+                         return_tokens_as_token_ids=True)  # fmt: skip
+            res[name] = r["choices"][0]["logprobs"]
+        ta, tb = res[na]["tokens"], res[nb]["tokens"]
+        same = [x == y for x, y in zip(ta, tb, strict=False)]
+        prefix = next((i for i, s in enumerate(same) if not s), len(same))
+        top_a, top_b = res[na]["top_logprobs"][0], res[nb]["top_logprobs"][0]
+        common = sorted(set(top_a) & set(top_b))
+        diffs = [abs(top_a[t] - top_b[t]) for t in common]
+        rows.append({
+            "prompt": prompt,
+            "first_token": [ta[0], tb[0]],
+            "first_token_top20_common": len(common),
+            "first_token_max_abs_logprob_diff": max(diffs) if diffs else None,
+            "first_token_logprob": [res[na]["token_logprobs"][0], res[nb]["token_logprobs"][0]],
+            "identical_tokens": sum(same),
+            "identical_prefix": prefix,
+            "tokens": [ta, tb],
+        })  # fmt: skip
+        print(f"{prompt[:40]:40s}  first-token top-20 common {len(common):2d}, max |dlogprob| "
+              f"{max(diffs) if diffs else float('nan'):.2e}; identical {sum(same)}/{len(ta)}, "
+              f"prefix {prefix}")  # fmt: skip
+    out = {"servers": [na, nb], "max_tokens": GREEDY_TOKENS, "top_logprobs": TOP_LOGPROBS,
+           "temperature": 0, "rows": rows}  # fmt: skip
+    Path(a.out, "compare.json").write_text(json.dumps(out, indent=1))
+
+
+def _words(i: int, n: int) -> str:
+    vocab = ["expert", "token", "route", "kernel", "block", "scale", "tile", "wave", "graph",
+             "batch", "decode", "prefill", "cache", "rank", "shard", "group"]  # fmt: skip
+    return " ".join(vocab[(i * 7 + j * (i % 5 + 3)) % len(vocab)] + str((i * 31 + j) % 97)
+                    for j in range(n))  # fmt: skip
+
+
+def cmd_routing(a) -> None:
+    import numpy as np
+
+    ((name, port),) = _servers(a.servers)
+    result = {"server": name, "tiers": []}
+    for conc in a.concurrency:
+
+        def one(i: int) -> dict:
+            return complete(name, port, _words(i, 12), max_tokens=a.steps + 1,
+                            temperature=0.7, seed=i, ignore_eos=True)  # fmt: skip
+
+        with ThreadPoolExecutor(conc) as ex:
+            resps = list(ex.map(one, range(conc)))
+        per_req = []
+        for r in resps:
+            enc = r["choices"][0].get("routed_experts")
+            if enc is None:
+                sys.exit("probe: no routed_experts in the response: start vLLM with "
+                         "--enable-return-routed-experts")  # fmt: skip
+            arr = np.load(io.BytesIO(base64.b64decode(enc)))  # (tokens-1, layers, top_k)
+            per_req.append((r["usage"]["prompt_tokens"], arr))
+        layers, experts = per_req[0][1].shape[1], a.experts
+        steps = []
+        for k in range(1, a.steps + 1):  # decode step k forwards generated token k-1
+            counts = np.zeros((layers, experts), dtype=np.int64)
+            for plen, arr in per_req:
+                for layer in range(layers):
+                    np.add.at(counts[layer], arr[plen + k - 1, layer].astype(np.int64), 1)
+            steps.append(counts)
+        # A dense layer has no routing: its capture rows stay constant.
+        moe = [i for i in range(layers) if len({tuple(x) for _, arr in per_req
+                                                 for x in arr[:, i].tolist()}) > 1]  # fmt: skip
+        rng = np.random.default_rng(0)
+        uni = [np.bincount(np.concatenate([rng.choice(experts, a.top_k, replace=False)
+                                           for _ in range(conc)]), minlength=experts)
+               for _ in range(200)]  # fmt: skip
+        tier = {
+            "concurrency": conc,
+            "rows_per_step": conc * a.top_k,
+            "mean_rows_per_expert": conc * a.top_k / experts,
+            "moe_layers": moe,
+            "counts": [[s[i].tolist() for i in moe] for s in steps],  # [step][moe layer][expert]
+            "uniform_random": {"max": float(np.mean([u.max() for u in uni])),
+                               "zero": float(np.mean([(u == 0).sum() for u in uni]))},
+        }  # fmt: skip
+        result["tiers"].append(tier)
+        s = steps[len(steps) // 2]
+        for i in moe:
+            c = s[i]
+            print(f"c{conc} step {len(steps) // 2 + 1} layer {i}: {int(c.sum())} rows, max "
+                  f"{int(c.max())} (mean {c.mean():.2f}), {int((c == 0).sum())} experts idle; "
+                  f"uniform random: max {tier['uniform_random']['max']:.1f}, idle "
+                  f"{tier['uniform_random']['zero']:.0f}")  # fmt: skip
+    Path(a.out, f"routing_{name}.json").write_text(json.dumps(result))
+
+
+def _kernels(trace: Path) -> list[dict]:
+    with gzip.open(trace, "rt") if trace.suffix == ".gz" else open(trace) as f:
+        events = json.load(f).get("traceEvents", [])
+    agg: dict[str, list[float]] = {}
+    for e in events:
+        if e.get("cat") == "kernel" and "dur" in e:
+            agg.setdefault(e["name"], []).append(float(e["dur"]))
+    return sorted(({"name": n, "calls": len(d), "total_us": sum(d)} for n, d in agg.items()),
+                  key=lambda k: -k["total_us"])  # fmt: skip
+
+
+def cmd_profile(a) -> None:
+    ((name, port),) = _servers(a.servers)
+    trace_dir = Path(a.trace_dir)
+    before = set(trace_dir.rglob("*.json*")) if trace_dir.exists() else set()
+
+    def one(i: int) -> None:
+        complete(name, port, _words(1000 + i, 12), max_tokens=a.tokens, temperature=0.7,
+                 seed=i, ignore_eos=True)  # fmt: skip
+
+    with ThreadPoolExecutor(a.concurrency) as ex:
+        futs = [ex.submit(one, i) for i in range(a.concurrency)]
+        time.sleep(a.settle_s)  # every stream prefilled: steady decode at full batch
+        post(port, "/start_profile")
+        time.sleep(a.window_s)
+        try:  # with max_iterations the profiler may have stopped itself already
+            post(port, "/stop_profile")
+        except OSError as e:
+            print(f"{name}: /stop_profile: {e}")
+        for f in futs:
+            f.result()
+    deadline = time.time() + 120
+    new: list[Path] = []
+    while time.time() < deadline:
+        new = [p for p in trace_dir.rglob("*.json*") if p not in before]
+        if new and all(p.stat().st_size > 0 for p in new):
+            sizes = [p.stat().st_size for p in new]
+            time.sleep(2)
+            if sizes == [p.stat().st_size for p in new]:
+                break
+        time.sleep(1)
+    if not new:
+        sys.exit(f"probe: no trace appeared in {trace_dir} within 120 s")
+    trace = max(new, key=lambda p: p.stat().st_size)
+    ks = _kernels(trace)
+    total = sum(k["total_us"] for k in ks)
+    out = {
+        "server": name,
+        "concurrency": a.concurrency,
+        "trace": trace.name,
+        "trace_bytes": trace.stat().st_size,
+        "kernel_us_total": total,
+        "kernels": ks,
+    }
+    Path(a.out, f"profile_{name}.json").write_text(json.dumps(out, indent=1))
+    print(f"{name}: {trace.name}, {len(ks)} kernels, {total / 1e3:.1f} ms of GPU kernel time")
+    for k in ks[:12]:
+        print(f"  {k['total_us'] / total:6.1%} {k['calls']:6d}x  {k['name'][:110]}")
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    c = sub.add_parser("compare")
+    c.add_argument("servers", nargs=2, metavar="NAME=PORT")
+    r = sub.add_parser("routing")
+    r.add_argument("servers", nargs=1, metavar="NAME=PORT")
+    r.add_argument("--concurrency", type=int, nargs="+", default=[64, 256])
+    r.add_argument("--steps", type=int, default=4, help="decode steps recorded per tier")
+    r.add_argument("--experts", type=int, default=384)
+    r.add_argument("--top-k", type=int, default=6)
+    p = sub.add_parser("profile")
+    p.add_argument("servers", nargs=1, metavar="NAME=PORT")
+    p.add_argument("--trace-dir", required=True, help="the server's torch_profiler_dir")
+    p.add_argument("--concurrency", type=int, default=128)
+    p.add_argument("--tokens", type=int, default=200)
+    p.add_argument("--settle-s", type=float, default=3.0)
+    p.add_argument("--window-s", type=float, default=2.0)
+    for s in (c, r, p):
+        s.add_argument("--out", required=True, type=Path)
+    a = ap.parse_args(argv)
+    a.out.mkdir(parents=True, exist_ok=True)
+    {"compare": cmd_compare, "routing": cmd_routing, "profile": cmd_profile}[a.cmd](a)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,88 @@
+"""Stage what the GPU machine needs into .stage/ (run where PyPI is reachable): the wheels of
+wheels.txt for Python 3.12 x86-64, vllm-h20's own wheel, and the test model's directory, packed
+so that each device call carries at most one piece under its 64 MiB limit.
+
+- `.stage/boot.tar`: FlashInfer, TVM FFI, vllm-h20 and the model (~17 MB): enough to start
+  building the fix modules while the rest travels;
+- `.stage/piece-NN`: the other wheels, one tar split into 56 MiB pieces (`h200.sh take` moves
+  each away on arrival; `h200.sh install` joins them).
+
+    python benchmarks/serve_h200/stage.py   # then carry .stage/boot.tar, .stage/piece-00, ...
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import subprocess
+import sys
+import tarfile
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parents[1]
+PLATFORMS = ["manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_17_x86_64",
+             "manylinux2014_x86_64", "manylinux1_x86_64", "manylinux_2_24_x86_64",
+             "manylinux_2_31_x86_64", "manylinux_2_34_x86_64", "manylinux_2_35_x86_64"]  # fmt: skip
+BOOT = ("flashinfer_python-", "apache_tvm_ffi-")  # what `kernels build` needs besides torch
+PIECE = 56 << 20
+
+
+def requirements() -> list[str]:
+    lines = (HERE / "wheels.txt").read_text().splitlines()
+    return [x.strip() for x in lines if x.strip() and not x.startswith("#")]
+
+
+def download(dest: Path) -> None:
+    dest.mkdir(parents=True, exist_ok=True)
+    plat = [a for p in PLATFORMS for a in ("--platform", p)]
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
+           "--python-version", "3.12", "--implementation", "cp", *plat, "-d", str(dest),
+           *requirements()]  # fmt: skip
+    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--stage", type=Path, default=REPO / ".stage")
+    ap.add_argument("--layers", type=int, default=None, help="model layers (make_model.py)")
+    a = ap.parse_args(argv)
+    st = a.stage
+    wheels, boot = st / "wheels", st / "boot"
+    download(wheels)
+    shutil.rmtree(boot, ignore_errors=True)
+    boot.mkdir(parents=True)
+    for w in wheels.glob("*.whl"):
+        if w.name.startswith(BOOT):
+            shutil.copy2(w, boot / w.name)
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(boot),
+                    str(REPO)], check=True)  # fmt: skip
+    model = st / "model"
+    shutil.rmtree(model, ignore_errors=True)
+    extra = ["--layers", str(a.layers)] if a.layers else []
+    subprocess.run([sys.executable, str(HERE / "make_model.py"), str(model), *extra], check=True)
+
+    rest = sorted(w for w in wheels.glob("*.whl") if not w.name.startswith(BOOT))
+    bundle = st / "bundle.tar"
+    with tarfile.open(bundle, "w") as t:
+        for w in rest:
+            t.add(w, arcname=f"wheels/{w.name}")
+    for old in st.glob("piece-*"):
+        old.unlink()
+    n = 0
+    with open(bundle, "rb") as f:
+        while chunk := f.read(PIECE):
+            (st / f"piece-{n:02d}").write_bytes(chunk)
+            n += 1
+    bundle.unlink()
+    (boot / "pieces.txt").write_text(f"{n}\n")
+    with tarfile.open(st / "boot.tar", "w") as t:
+        t.add(boot, arcname="boot")
+        t.add(model, arcname="model")
+    size = (st / "boot.tar").stat().st_size
+    print(f"{st}/boot.tar ({size / 2**20:.1f} MiB) and {n} pieces of <= {PIECE >> 20} MiB "
+          f"({len(rest)} wheels)")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
