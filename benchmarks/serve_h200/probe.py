@@ -103,6 +103,44 @@ def _words(i: int, n: int) -> str:
                     for j in range(n))  # fmt: skip
 
 
+def decode_step_counts(per_req: list, k: int, experts: int):
+    """Rows per (layer, expert) in decode step k (k >= 1), from each request's capture.
+
+    per_req holds (prompt_tokens, routed) with routed[t, layer, :] the experts token t went to;
+    step k forwards the request's generated token k-1, at position prompt_tokens + k - 1."""
+    import numpy as np
+
+    layers = per_req[0][1].shape[1]
+    counts = np.zeros((layers, experts), dtype=np.int64)
+    for plen, arr in per_req:
+        for layer in range(layers):
+            np.add.at(counts[layer], arr[plen + k - 1, layer].astype(np.int64), 1)
+    return counts
+
+
+def varied_layers(per_req: list) -> list[int]:
+    """Layers whose tokens did not all choose the same experts (a dense layer's capture rows
+    stay constant; so do a MoE layer's when routing is degenerate)."""
+    layers = per_req[0][1].shape[1]
+    return [i for i in range(layers)
+            if len({tuple(x) for _, arr in per_req for x in arr[:, i].tolist()}) > 1]  # fmt: skip
+
+
+def uniform_reference(tokens: int, experts: int, top_k: int, trials: int = 200) -> dict:
+    """Busiest expert and idle experts of one step if each token picked top_k distinct experts
+    uniformly at random (means over trials): what non-degenerate routing looks like."""
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    maxes, idle = [], []
+    for _ in range(trials):
+        picks = np.argsort(rng.random((tokens, experts)), axis=1)[:, :top_k]
+        c = np.bincount(picks.ravel(), minlength=experts)
+        maxes.append(c.max())
+        idle.append((c == 0).sum())
+    return {"max": float(np.mean(maxes)), "zero": float(np.mean(idle))}
+
+
 def cmd_routing(a) -> None:
     import numpy as np
 
@@ -124,33 +162,21 @@ def cmd_routing(a) -> None:
                          "--enable-return-routed-experts")  # fmt: skip
             arr = np.load(io.BytesIO(base64.b64decode(enc)))  # (tokens-1, layers, top_k)
             per_req.append((r["usage"]["prompt_tokens"], arr))
-        layers, experts = per_req[0][1].shape[1], a.experts
-        steps = []
-        for k in range(1, a.steps + 1):  # decode step k forwards generated token k-1
-            counts = np.zeros((layers, experts), dtype=np.int64)
-            for plen, arr in per_req:
-                for layer in range(layers):
-                    np.add.at(counts[layer], arr[plen + k - 1, layer].astype(np.int64), 1)
-            steps.append(counts)
-        # A dense layer has no routing: its capture rows stay constant.
-        moe = [i for i in range(layers) if len({tuple(x) for _, arr in per_req
-                                                 for x in arr[:, i].tolist()}) > 1]  # fmt: skip
-        rng = np.random.default_rng(0)
-        uni = [np.bincount(np.concatenate([rng.choice(experts, a.top_k, replace=False)
-                                           for _ in range(conc)]), minlength=experts)
-               for _ in range(200)]  # fmt: skip
+        steps = [decode_step_counts(per_req, k, a.experts) for k in range(1, a.steps + 1)]
+        layers = steps[0].shape[0]
+        varied = varied_layers(per_req)
+        uniform = uniform_reference(conc, a.experts, a.top_k)
         tier = {
             "concurrency": conc,
             "rows_per_step": conc * a.top_k,
-            "mean_rows_per_expert": conc * a.top_k / experts,
-            "moe_layers": moe,
-            "counts": [[s[i].tolist() for i in moe] for s in steps],  # [step][moe layer][expert]
-            "uniform_random": {"max": float(np.mean([u.max() for u in uni])),
-                               "zero": float(np.mean([(u == 0).sum() for u in uni]))},
-        }  # fmt: skip
+            "mean_rows_per_expert": conc * a.top_k / a.experts,
+            "varied_layers": varied,
+            "counts": [[c.tolist() for c in s] for s in steps],  # [step][layer][expert]
+            "uniform_random": uniform,
+        }
         result["tiers"].append(tier)
         s = steps[len(steps) // 2]
-        for i in moe:
+        for i in range(layers):
             c = s[i]
             print(f"c{conc} step {len(steps) // 2 + 1} layer {i}: {int(c.sum())} rows, max "
                   f"{int(c.max())} (mean {c.mean():.2f}), {int((c == 0).sum())} experts idle; "

@@ -209,6 +209,9 @@ def finished_sweep(mock_pair, tokenizer_dir, tmp_path_factory):
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
+            # A shell's background job (CI under nohup, `cmd &`) starts with SIGINT ignored,
+            # and Python keeps an ignored SIGINT ignored: Ctrl-C must reach this sweep.
+            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
         )
         first = out / "runs" / "a" / "c1-r0.json"
         deadline = time.time() + 240  # room for one stalled GuideLLM and its retry

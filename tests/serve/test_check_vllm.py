@@ -14,12 +14,22 @@ pytestmark = pytest.mark.vllm
 pytest.importorskip("vllm")
 
 
-@pytest.mark.parametrize("path", sorted((ROOT / "recipes").glob("*.yaml")), ids=lambda p: p.stem)
+@pytest.mark.parametrize(
+    "path", sorted((ROOT / "recipes").glob("deepseek-v41-*.yaml")), ids=lambda p: p.stem
+)
 def test_shipped_recipes_are_valid(path):
     res = check.check(recipe.load(path))
     assert res.vllm == "0.33.0"
     assert res.parsed["tensor_parallel_size"] == 8
     assert res.parsed["engram_cpu_offload"] is True
+
+
+def test_the_one_h200_test_recipe_is_valid():
+    """benchmarks/serve_h200's recipe: one GPU, FlashInfer CUTLASS MoE, random weights."""
+    res = check.check(recipe.load(ROOT / "recipes" / "test-h200-dsv3-fp8-flashinfer-cutlass.yaml"))
+    assert res.vllm == "0.33.0"
+    assert res.parsed["tensor_parallel_size"] == 1 and not res.parsed["enable_expert_parallel"]
+    assert res.parsed["moe_backend"] == "flashinfer_cutlass"
 
 
 @pytest.mark.parametrize(

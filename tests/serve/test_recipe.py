@@ -15,7 +15,11 @@ def test_shipped_recipes_load_by_name_with_lines():
     assert r.where("eplb-config").endswith(f":{r.lines['eplb-config']}")
     assert r.lines["tensor-parallel-size"] < r.lines["eplb-config"]
     names = {p.stem for p in recipe.shipped_recipes().glob("*.yaml")}
-    assert names == {"deepseek-v41-flash-fp8-tp8ep8", "deepseek-v41-flash-humming-w4a8-tp8"}
+    assert names == {
+        "deepseek-v41-flash-fp8-tp8ep8",
+        "deepseek-v41-flash-humming-w4a8-tp8",
+        "test-h200-dsv3-fp8-flashinfer-cutlass",
+    }
 
 
 @pytest.mark.parametrize(

@@ -267,6 +267,7 @@ def _rows(names: list[str], cs: dict[str, dict[int, Cell]], unit: str) -> list[d
 
 def plots(out: Path, s: Sweeps, names: list[str], cs: dict[str, dict[int, Cell]]) -> list[Path]:
     import matplotlib
+    import matplotlib.ticker
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -285,8 +286,20 @@ def plots(out: Path, s: Sweeps, names: list[str], cs: dict[str, dict[int, Cell]]
         )
     ax.set_xscale("log", base=2)
     ax.set_xticks(s.spec["concurrency"], [str(c) for c in s.spec["concurrency"]])
+    ax.xaxis.set_minor_locator(matplotlib.ticker.NullLocator())
     ax.set_xlabel("concurrency (streams)")
     ax.set_ylabel(unit)
+    ax.set_ylim(bottom=0)
+    if len(names) > 1:  # each candidate's change vs the baseline, written at its point
+        base = cs.get(names[0], {})
+        for i, n in enumerate(names[1:], start=1):
+            for c, cell in cs.get(n, {}).items():
+                b = base.get(c)
+                if b is None or not b.throughput.mean or cell.throughput.mean is None:
+                    continue
+                change = cell.throughput.mean / b.throughput.mean - 1
+                ax.annotate(f"{change:+.1%}", (c, cell.throughput.mean), xytext=(6, 6 + 9 * i),
+                            textcoords="offset points", fontsize=7, color=f"C{i}")  # fmt: skip
     ax.set_title(f"{s.spec['name']}: {unit} vs concurrency (mean ± sample std)")
     ax.grid(alpha=0.3)
     ax.legend()
@@ -309,12 +322,21 @@ def plots(out: Path, s: Sweeps, names: list[str], cs: dict[str, dict[int, Cell]]
                     )
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
+        # Plain milliseconds on the log axis (not 1.8x10^2).
+        plain = matplotlib.ticker.FuncFormatter(lambda y, _: f"{y:g}")
+        ax.yaxis.set_major_formatter(plain)
+        ax.yaxis.set_minor_formatter(plain)
+        ax.tick_params(axis="y", which="minor", labelsize=6)
         ax.set_xticks(s.spec["concurrency"], [str(c) for c in s.spec["concurrency"]])
+        ax.xaxis.set_minor_locator(matplotlib.ticker.NullLocator())
         ax.set_xlabel("concurrency (streams)")
         ax.set_ylabel("ms")
         ax.set_title(f"{title} percentiles per tier")
         ax.grid(alpha=0.3, which="both")
-        ax.legend(fontsize=7)
+        if ax.get_legend_handles_labels()[0]:  # a prefill sweep (1 output token) has no ITL
+            ax.legend(fontsize=7)
+        else:
+            ax.text(0.5, 0.5, "no data", transform=ax.transAxes, ha="center", color="0.5")
     fig.tight_layout()
     p2 = out / "latency.png"
     fig.savefig(p2)

@@ -1,0 +1,184 @@
+"""Publish a serve_h200 run (CPU side): the tarball `h200.sh collect` wrote -> a results folder
+with `vllm-h20 bench report` for each sweep, the probes' JSON, filtered server logs, the run
+files, and summary.md: the module each server loaded, the MoE kernels that ran and their share
+of GPU time per decode step, the correctness comparison and the decode-step routing.
+
+    python benchmarks/serve_h200/report.py RUN.tar.gz benchmarks/results/serve_h200
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import shutil
+import subprocess
+import sys
+import tarfile
+import tempfile
+from pathlib import Path
+
+# vLLM's access log and metrics scrapes: thousands of lines that say nothing about the run.
+_NOISE = re.compile(r"POST /v1/|GET /metrics|GET /health|GET /v1/models|POST /(start|stop)_prof")
+# The profiler's schedule in h200.sh: 12 engine iterations after 8 skipped.
+PROFILED_STEPS = 12
+
+
+def kernel_class(name: str) -> str:
+    """What a GPU kernel of a vLLM DeepSeek step is, for the time split."""
+    if "fp8_gemm_kernel_swapAB" in name:
+        return "MoE GEMM: DeepGEMM swap-A/B"
+    if "deep_gemm::fp8_gemm_kernel" in name:
+        return "MoE GEMM: DeepGEMM regular"
+    if name == "fused_moe_kernel" or name.startswith("fused_moe_kernel"):
+        return "MoE GEMM: Triton fused_moe"
+    moe = ("Moe", "moe_", "expandInputRows", "scale_1x128", "doActivation", "moe::")
+    if any(m in name for m in moe):
+        return "MoE other (routing, permute, act quant, finalize)"
+    if "cutlass_3x_gemm_fp8_blockwise" in name:
+        return "dense FP8 GEMMs (attention, shared expert, dense layer)"
+    if "flash" in name.lower() or "FlashAttn" in name:
+        return "attention"
+    if "distribution_elementwise" in name or "sbtopk" in name or "sort" in name.lower():
+        return "sampling and top-k (router, sampler)"
+    return "other"
+
+
+def split(profile: dict) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for k in profile["kernels"]:
+        c = kernel_class(k["name"])
+        out[c] = out.get(c, 0.0) + k["total_us"]
+    return dict(sorted(out.items(), key=lambda kv: -kv[1]))
+
+
+def moe_kernels(profile: dict) -> list[dict]:
+    return [k for k in profile["kernels"] if kernel_class(k["name"]).startswith("MoE GEMM")]
+
+
+def _short(name: str) -> str:
+    """`fp8_gemm_kernel_swapAB<N, K, BM, BN, BK, groups, stages, ...>` -> its first 7 args."""
+    m = re.search(r"(fp8_gemm_kernel(?:_swapAB)?)<([^>]*?),\s*deep_gemm::(\w+)<([^>]*)>", name)
+    if not m:
+        return name[:80]
+    args = [a.strip().rstrip("u") for a in m.group(2).split(",")]
+    sched = [a.strip().rstrip("u") for a in m.group(4).split(",")]
+    n, k, bm, bn, _bk, groups, stages = args[:7]
+    rows = f", rows {sched[-2]}..{sched[-1]}" if len(sched) >= 9 else ""
+    return (f"{m.group(1)} N={n} K={k} BLOCK_M={bm} BLOCK_N={bn} groups={groups} "
+            f"stages={stages} ({m.group(3)}{rows})")  # fmt: skip
+
+
+def summary(root: Path, reports: dict[str, Path]) -> str:
+    chk = root / "check"
+    lines = ["# Serving on one H200: stock vs per-expert (vLLM 0.26.0, FlashInfer CUTLASS MoE)", ""]
+    logs = {n: root / "logs" / f"{n}.log" for n in ("fix", "stock", "triton")}
+    lines += ["## What each server loaded (its own log lines)", ""]
+    for n, p in logs.items():
+        if not p.exists():
+            continue
+        text = p.read_text(errors="replace")
+        picked = [ln.split("] ", 1)[-1] for ln in text.splitlines()
+                  if "vllm-h20:" in ln and "EngineCore" in ln]  # fmt: skip
+        backend = re.search(r"Using (\w+) Fp8 MoE backend", text)
+        lines.append(f"- **{n}** (MoE backend {backend.group(1) if backend else '?'}):")
+        lines += [f"  - `{x[:300]}`" for x in dict.fromkeys(picked)]
+    lines.append("")
+    found = [n for n in ("stock", "fix", "triton") if (chk / f"profile_{n}.json").exists()]
+    profs = {n: json.loads((chk / f"profile_{n}.json").read_text()) for n in found}
+    if profs:
+        conc = next(iter(profs.values()))["concurrency"]
+        title = f"## GPU time per decode step at c{conc} (torch profiler, {PROFILED_STEPS} steps)"
+        lines += [title, "", "| kernels | " + " | ".join(profs) + " |",
+                  "|---|" + "---:|" * len(profs)]  # fmt: skip
+        splits = {n: split(p) for n, p in profs.items()}
+        classes = list(dict.fromkeys(c for s in splits.values() for c in s))
+        for c in classes:
+            cells = []
+            for n in profs:
+                us = splits[n].get(c, 0.0)
+                share = us / profs[n]["kernel_us_total"]
+                cells.append(f"{us / PROFILED_STEPS / 1e3:.3f} ms ({share:.0%})")
+            lines.append(f"| {c} | " + " | ".join(cells) + " |")
+        lines.append("| **all kernels** | " + " | ".join(
+            f"**{p['kernel_us_total'] / PROFILED_STEPS / 1e3:.3f} ms**" for p in profs.values()
+        ) + " |")  # fmt: skip
+        lines += ["", "MoE GEMM kernels that ran (per call = per MoE layer and step):", ""]
+        for n, p in profs.items():
+            for k in moe_kernels(p):
+                lines.append(f"- {n}: {k['calls']}x, {k['total_us'] / k['calls']:.1f} us per "
+                             f"call: `{_short(k['name'])}`")  # fmt: skip
+        lines.append("")
+    if (chk / "compare.json").exists():
+        c = json.loads((chk / "compare.json").read_text())
+        a, b = c["servers"]
+        rows = c["rows"]
+        same = sum(r["identical_tokens"] for r in rows)
+        total = sum(len(r["tokens"][0]) for r in rows)
+        diffs = [r["first_token_max_abs_logprob_diff"] for r in rows
+                 if r["first_token_max_abs_logprob_diff"] is not None]  # fmt: skip
+        lp = rows[0]["first_token_logprob"][0]
+        lines += [f"## Correctness: {a} vs {b} (greedy, {len(rows)} fixed prompts)", "",
+                  f"- first-token top-{c['top_logprobs']} logprobs: max |difference| "
+                  f"{max(diffs):.3g} over the tokens both list;",
+                  f"- first {c['max_tokens']} greedy tokens: {same} of {total} identical; "
+                  f"identical prefixes {min(r['identical_prefix'] for r in rows)}-"
+                  f"{max(r['identical_prefix'] for r in rows)} tokens;",
+                  f"- the first token's logprob is {lp:.4f} (ln 1/1024 = -6.9315): the random "
+                  "weights give a flat distribution, so this shows identical bits, not that the "
+                  "two paths agree on a model with real logits.", ""]  # fmt: skip
+    rt = chk / "routing_fix.json"
+    if rt.exists():
+        r = json.loads(rt.read_text())
+        lines += ["## Routing in single decode steps (vLLM's routed-experts capture)", ""]
+        for t in r["tiers"]:
+            moe = t.get("varied_layers", t.get("moe_layers"))
+            lines.append(f"- c{t['concurrency']}: {t['rows_per_step']} routed rows per step "
+                         f"({t['mean_rows_per_expert']:.1f} per expert on average); layers whose "
+                         f"tokens chose different experts: {moe or 'none'}; uniform random "
+                         f"routing would leave {t['uniform_random']['zero']:.0f} experts idle "
+                         f"with the busiest at {t['uniform_random']['max']:.1f} rows.")  # fmt: skip
+        lines.append("")
+    for name, rep in reports.items():
+        head = (rep / "report.md").read_text().split("## Latency")[0]
+        table = "\n".join(x for x in head.splitlines() if x.startswith("|"))
+        lines += [f"## {name} sweep ([report]({rep.name}/report.md))", "", table, "",
+                  f"![{name} throughput]({rep.name}/throughput.png)", ""]  # fmt: skip
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("tarball", type=Path)
+    ap.add_argument("out", type=Path)
+    ap.add_argument("--baseline", default="stock")
+    a = ap.parse_args(argv)
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        with tarfile.open(a.tarball) as t:
+            t.extractall(root, filter="data")
+        a.out.mkdir(parents=True, exist_ok=True)
+        for sub in ("check", "runs"):
+            shutil.copytree(root / sub, a.out / sub, dirs_exist_ok=True)
+        (a.out / "logs").mkdir(exist_ok=True)
+        for p in (root / "logs").iterdir():
+            text = p.read_text(errors="replace")
+            if p.suffix == ".log":
+                text = "".join(ln for ln in text.splitlines(keepends=True) if not _NOISE.search(ln))
+            (a.out / "logs" / p.name).write_text(text)
+    reports = {}
+    for spec in ("decode", "prefill"):
+        # Relative to the results folder, so the reports name `runs/...`, not a temp dir.
+        dirs = sorted(d.relative_to(a.out) for d in (a.out / "runs").glob(f"{spec}*")
+                      if (d / "sweep.json").exists())  # fmt: skip
+        if dirs:
+            cmd = [sys.executable, "-m", "vllm_h20.cli", "bench", "report", *map(str, dirs),
+                   "--baseline", a.baseline, "--out", spec]  # fmt: skip
+            subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, cwd=a.out)
+            reports[spec] = a.out / spec
+    (a.out / "summary.md").write_text(summary(a.out, reports))
+    print(f"wrote {a.out}/summary.md")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,188 @@
+"""The CPU-side parts of the one-H200 serving A/B (benchmarks/serve_h200/): its sweep specs and
+recipe under the real parsers, the test model vLLM would load, the device script's shape, the
+probes' pure parts, and the published results being rebuilt from their own run files."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import subprocess
+import sys
+import tarfile
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+HERE = ROOT / "benchmarks" / "serve_h200"
+RESULTS = ROOT / "benchmarks" / "results" / "serve_h200"
+RECIPE = ROOT / "recipes" / "test-h200-dsv3-fp8-flashinfer-cutlass.yaml"
+sys.path.insert(0, str(HERE))
+
+import make_model  # noqa: E402
+import probe  # noqa: E402
+import report  # noqa: E402
+
+
+def cli(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "vllm_h20.cli", *args], capture_output=True,
+                          text=True, timeout=timeout, cwd=ROOT)  # fmt: skip
+
+
+def test_sweep_specs_load_and_shorten_the_shipped_method():
+    from vllm_h20.bench import spec
+
+    decode, prefill = spec.load(HERE / "decode.yaml"), spec.load(HERE / "prefill.yaml")
+    shipped = spec.load("decode")
+    assert decode.concurrency == (64, 128, 256) and set(decode.concurrency) < set(
+        shipped.concurrency
+    )
+    assert decode.throughput == "output" and prefill.throughput == "input"
+    assert prefill.request.output_tokens == 1 and prefill.request.prompt_tokens == 1024
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("model")
+    make_model.main([str(out)])
+    return out
+
+
+def test_test_model_is_deepseek_v3_with_v41_flash_expert_shapes(model_dir):
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.AutoConfig.from_pretrained(model_dir)
+    assert cfg.model_type == "deepseek_v3"
+    assert (cfg.hidden_size, cfg.moe_intermediate_size, cfg.n_routed_experts) == (5120, 2304, 384)
+    assert cfg.num_experts_per_tok == 6 and cfg.quantization_config["weight_block_size"] == [
+        128,
+        128,
+    ]
+    # Plain top-6 of a softmax: no random correction bias deciding every token's experts.
+    assert cfg.topk_method == "greedy" and cfg.n_group == 1
+    assert make_model.expert_bytes(make_model.config()) == 4 * 384 * 3 * 5120 * 2304
+    tok = transformers.AutoTokenizer.from_pretrained(model_dir)
+    ids = tok("Serving experts on Hopper")["input_ids"]
+    assert ids and max(ids) < cfg.vocab_size
+
+
+def test_recipe_is_valid_for_the_installed_vllm():
+    pytest.importorskip("vllm")
+    res = cli("recipe", "check", str(RECIPE))
+    assert res.returncode == 0, res.stderr
+    assert "9 flags valid" in res.stdout
+
+
+def test_serve_dry_run_skips_the_plan_for_dummy_weights(model_dir):
+    pytest.importorskip("vllm")
+    res = cli("serve", str(RECIPE), "--model", str(model_dir), "--gpu", "h200", "--dry-run",
+              "--", "--port", "8001", "--moe-backend", "triton")  # fmt: skip
+    assert res.returncode == 0, res.stderr
+    assert "plan: skipped: load-format dummy" in res.stdout
+    assert (
+        f"serve {model_dir} --config {RECIPE}" in res.stdout
+        and "--moe-backend triton" in res.stdout
+    )
+    missing = cli("serve", str(RECIPE), "--model", str(model_dir / "nope"), "--dry-run")
+    assert missing.returncode == 2 and "no config.json" in missing.stderr
+    assert "Traceback" not in missing.stderr
+
+
+def test_device_script_parses_and_refuses_unknown_steps(tmp_path):
+    script = HERE / "h200.sh"
+    assert subprocess.run(["bash", "-n", str(script)]).returncode == 0
+    res = subprocess.run(["bash", str(script), "frobnicate"], capture_output=True, text=True,
+                         env={"SH": str(tmp_path), "PATH": "/usr/bin:/bin"})  # fmt: skip
+    assert res.returncode == 2 and "unknown step frobnicate" in res.stderr
+    res = subprocess.run(["bash", str(script), "wait", "nosuch"], capture_output=True,
+                         text=True, env={"SH": str(tmp_path), "PATH": "/usr/bin:/bin"})  # fmt: skip
+    assert res.returncode == 1 and "unknown server nosuch" in res.stderr
+
+
+def test_stage_keeps_what_kernels_build_needs_in_the_boot_tar():
+    import stage
+
+    reqs = stage.requirements()
+    assert "vllm==0.26.0" in reqs and "flashinfer-python==0.6.14" in reqs
+    assert len(reqs) == len({r.split("==")[0] for r in reqs})  # one version of each
+    assert {"flashinfer-python", "apache-tvm-ffi"} <= {r.split("==")[0] for r in reqs}
+
+
+def _captures(routes: list[list[list[int]]], prompt: int) -> list:
+    """Requests whose generated tokens went to routes[req][step] (one layer), after `prompt`
+    prompt tokens routed to expert 0."""
+    out = []
+    for r in routes:
+        arr = np.zeros((prompt + len(r), 2, len(r[0])), dtype=np.uint16)
+        for k, experts in enumerate(r):
+            arr[prompt + k, 1] = experts
+        out.append((prompt, arr))
+    return out
+
+
+def test_decode_step_counts_and_varied_layers():
+    per_req = _captures([[[1, 2], [3, 4]], [[1, 5], [2, 3]], [[1, 2], [3, 3]]], prompt=4)
+    step1 = probe.decode_step_counts(per_req, 1, experts=8)
+    assert step1[1].tolist() == [0, 3, 2, 0, 0, 1, 0, 0] and step1[0].sum() == 6
+    step2 = probe.decode_step_counts(per_req, 2, experts=8)
+    assert step2[1][3] == 4 and step2[1].sum() == 6
+    assert probe.varied_layers(per_req) == [1]  # layer 0 stays constant, like a dense layer
+    # Degenerate routing, as measured on the dummy-weight model: every token of every request
+    # goes to the same experts, so no layer counts as varied.
+    same = [(3, np.tile(np.array([[0, 0], [1, 2]], dtype=np.uint16), (5, 1, 1))) for _ in range(4)]
+    assert probe.varied_layers(same) == []
+
+
+def test_uniform_reference_matches_its_expectation():
+    ref = probe.uniform_reference(64, 384, 6, trials=300)
+    expected_idle = 384 * (1 - 6 / 384) ** 64  # each token leaves a given expert idle w.p. 1-6/384
+    assert abs(ref["zero"] - expected_idle) < 3
+    assert ref["max"] >= 3
+
+
+def test_kernels_are_summed_by_name_from_a_trace(tmp_path):
+    events = [
+        {"cat": "kernel", "name": "void deep_gemm::fp8_gemm_kernel_swapAB<1u>", "dur": 10.0},
+        {"cat": "kernel", "name": "void deep_gemm::fp8_gemm_kernel_swapAB<1u>", "dur": 12.0},
+        {"cat": "kernel", "name": "fused_moe_kernel", "dur": 3.0},
+        {"cat": "cpu_op", "name": "aten::mm", "dur": 99.0},
+    ]
+    trace = tmp_path / "t.pt.trace.json.gz"
+    with gzip.open(trace, "wt") as f:
+        json.dump({"traceEvents": events}, f)
+    ks = probe._kernels(trace)
+    assert [(k["name"][-20:], k["calls"], k["total_us"]) for k in ks] == [
+        ("fp8_gemm_kernel_swapAB<1u>"[-20:], 2, 22.0),
+        ("fused_moe_kernel", 1, 3.0),
+    ]
+
+
+def test_kernel_classes_name_the_dispatch_that_ran():
+    prof = json.loads((RESULTS / "check" / "profile_fix.json").read_text())
+    names = [k["name"] for k in report.moe_kernels(prof)]
+    assert names and all(report.kernel_class(n) == "MoE GEMM: DeepGEMM swap-A/B" for n in names)
+    short = report._short(names[0])
+    assert "BLOCK_N=16" in short and "groups=384" in short
+    stock = json.loads((RESULTS / "check" / "profile_stock.json").read_text())
+    assert {report.kernel_class(k["name"]) for k in report.moe_kernels(stock)} == {
+        "MoE GEMM: DeepGEMM regular"
+    }
+    assert abs(sum(report.split(prof).values()) - prof["kernel_us_total"]) < 1e-6
+
+
+def test_published_results_rebuild_from_their_own_run_files(tmp_path):
+    """report.py on a tarball made of the published check/, runs/ and logs/ reproduces the
+    published summary (the reports' plots aside)."""
+    pytest.importorskip("guidellm")
+    tarball = tmp_path / "serve_h200.tar.gz"
+    with tarfile.open(tarball, "w:gz") as t:
+        for sub in ("check", "runs", "logs"):
+            t.add(RESULTS / sub, arcname=sub)
+    out = tmp_path / "out"
+    res = subprocess.run([sys.executable, str(HERE / "report.py"), str(tarball), str(out)],
+                         capture_output=True, text=True, cwd=ROOT, timeout=600)  # fmt: skip
+    assert res.returncode == 0, res.stderr
+    assert (out / "summary.md").read_text() == (RESULTS / "summary.md").read_text()
+    for spec in ("decode", "prefill"):
+        assert (out / spec / "report.md").read_text() == (RESULTS / spec / "report.md").read_text()
+        assert (out / spec / "throughput.png").stat().st_size > 10_000
