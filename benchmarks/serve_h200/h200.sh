@@ -6,6 +6,9 @@
 #                           both reduced modules (fix + stock) in the background
 #   h200.sh take            move carried .stage/piece-* into $SH/pieces (one per device call)
 #   h200.sh install         join the pieces, install vLLM 0.26.0 + its wheels into $SITE
+#   h200.sh weights         round 2: generate a random checkpoint with real magnitudes into the
+#                           model directory (LAYERS=4: 1 dense + 3 MoE, ~41 GB; on the GPU);
+#                           servers then load it instead of --load-format dummy
 #   h200.sh serve NAME...   start servers: fix (port 8001), stock (8002), triton (8003)
 #   h200.sh wait NAME...    wait until each answers /health (or died: its log tail)
 #   h200.sh check           correctness (fix vs stock), decode-step routing, profiles
@@ -15,7 +18,7 @@
 #
 # .stage/ comes from benchmarks/serve_h200/stage.py on a machine with network.
 set -uo pipefail
-step=${1:?boot|take|install|serve|wait|check|sweep|stop|collect}; shift
+step=${1:?boot|take|install|weights|serve|wait|check|sweep|stop|collect}; shift
 cd "$(dirname "$0")/../.."
 repo=$PWD
 SH=${SH:-/tmp/serve_h200}
@@ -73,6 +76,13 @@ install)
     fi
     vllm-h20 recipe check "$recipe" || exit 1
     ;;
+weights)
+    if [ ! -f "$model/model.safetensors.index.json" ]; then
+        python3 benchmarks/serve_h200/make_model.py "$model" --weights --layers "${LAYERS:-4}" \
+            --device cuda || exit 1
+    fi
+    du -sh "$model"; df -h "$SH" | tail -n 1
+    ;;
 serve)
     for n in "$@"; do
         p=$(port "$n") || exit 1
@@ -84,6 +94,8 @@ serve)
         fi
         args=(--port "$p" --served-model-name "$n"
               --profiler-config "{\"profiler\": \"torch\", \"torch_profiler_dir\": \"$SH/prof/$n\", \"torch_profiler_with_stack\": false, \"ignore_frontend\": true, \"delay_iterations\": 8, \"max_iterations\": 12}")
+        # A generated checkpoint (the `weights` step) replaces the recipe's dummy weights.
+        [ -f "$model/model.safetensors.index.json" ] && args+=(--load-format auto)
         envs=(VLLM_H20_STRICT=1)
         case $n in
             stock) envs+=(VLLM_H20_MOE_DISPATCH=stock) ;;

@@ -1,15 +1,21 @@
 """Write the test model's directory: a DeepSeek-V3-architecture config with FP8 128x128 block
 quantization and V4.1-Flash's MoE shapes, plus a byte-level BPE tokenizer trained offline.
 
-No weights: vLLM serves it with `--load-format dummy` (random values, the same in every server
-started with the same seed). vLLM 0.26 has no DeepSeek-V4.1; V3 is the closest architecture
-it has, and its FP8 MoE layer is the one `--moe-backend flashinfer_cutlass` runs.
+vLLM 0.26 has no DeepSeek-V4.1; V3 is the closest architecture it has, and its FP8 MoE layer
+is the one `--moe-backend flashinfer_cutlass` runs. Routing is plain top-6 of a softmax
+(`topk_method: greedy`, one expert group).
 
-Routing is plain top-6 of a softmax (`topk_method: greedy`, one expert group): with dummy
-weights, V3's sigmoid + `e_score_correction_bias` routing would send every token to the same
-experts, because the random bias (+-1e-3) dwarfs the router's token-dependent logits.
+Two ways to get weights:
+- none written: vLLM's `--load-format dummy` fills every weight uniformly in +-1e-3. Round 1
+  showed what that does to routing: every token chose the same 6 experts
+  (benchmarks/results/serve_h200/README.md);
+- `--weights` (round 2): a safetensors checkpoint with real magnitudes (FP8 E4M3 weights of
+  unit variance with 128x128 block scales 1/sqrt(fan_in), a normal router, unit norms), one
+  shard per layer, generated on `--device` (a GPU makes the ~41 GB of 3 MoE layers in about
+  a minute). Routing then depends on the token.
 
     python benchmarks/serve_h200/make_model.py .stage/model
+    python benchmarks/serve_h200/make_model.py $SH/stage/model --weights --layers 4 --device cuda
 """
 
 from __future__ import annotations
@@ -109,18 +115,118 @@ def write_tokenizer(out: Path) -> None:
         "model_max_length": 4096}))  # fmt: skip
 
 
+BLOCK = 128
+
+
+def layer_tensors(cfg: dict, i: int) -> list[tuple[str, tuple[int, ...], str]]:
+    """(name, shape, kind) of layer i in the Hugging Face DeepSeek-V3 naming vLLM loads; kind
+    is "fp8" (a block-quantized linear: weight + weight_scale_inv), "router" or "norm"."""
+    h, heads = cfg["hidden_size"], cfg["num_attention_heads"]
+    qk = cfg["qk_nope_head_dim"] + cfg["qk_rope_head_dim"]
+    p = f"model.layers.{i}."
+    t = [
+        (p + "input_layernorm", (h,), "norm"),
+        (p + "post_attention_layernorm", (h,), "norm"),
+        (p + "self_attn.q_a_proj", (cfg["q_lora_rank"], h), "fp8"),
+        (p + "self_attn.q_a_layernorm", (cfg["q_lora_rank"],), "norm"),
+        (p + "self_attn.q_b_proj", (heads * qk, cfg["q_lora_rank"]), "fp8"),
+        (
+            p + "self_attn.kv_a_proj_with_mqa",
+            (cfg["kv_lora_rank"] + cfg["qk_rope_head_dim"], h),
+            "fp8",
+        ),  # fmt: skip
+        (p + "self_attn.kv_a_layernorm", (cfg["kv_lora_rank"],), "norm"),
+        (
+            p + "self_attn.kv_b_proj",
+            (heads * (cfg["qk_nope_head_dim"] + cfg["v_head_dim"]), cfg["kv_lora_rank"]),
+            "fp8",
+        ),  # fmt: skip
+        (p + "self_attn.o_proj", (h, heads * cfg["v_head_dim"]), "fp8"),
+    ]
+
+    def mlp(prefix: str, inter: int) -> list:
+        return [(prefix + "gate_proj", (inter, h), "fp8"), (prefix + "up_proj", (inter, h), "fp8"),
+                (prefix + "down_proj", (h, inter), "fp8")]  # fmt: skip
+
+    if i < cfg["first_k_dense_replace"]:
+        return t + mlp(p + "mlp.", cfg["intermediate_size"])
+    t.append((p + "mlp.gate", (cfg["n_routed_experts"], h), "router"))
+    t += mlp(p + "mlp.shared_experts.", cfg["moe_intermediate_size"] * cfg["n_shared_experts"])
+    for e in range(cfg["n_routed_experts"]):
+        t += mlp(f"{p}mlp.experts.{e}.", cfg["moe_intermediate_size"])
+    return t
+
+
+def _materialize(name: str, shape: tuple[int, ...], kind: str, gen, device: str) -> dict:
+    import torch
+
+    if kind == "norm":
+        return {name + ".weight": torch.ones(shape, dtype=torch.bfloat16)}
+    if kind in ("router", "embed"):
+        w = torch.randn(shape, generator=gen, device=device) / shape[-1] ** 0.5
+        if kind == "embed":
+            w = w * shape[-1] ** 0.5  # unit-variance embeddings; the first norm rescales them
+        return {name + ".weight": w.to(torch.bfloat16).cpu()}
+    out_f, in_f = shape
+    q = torch.randn(shape, generator=gen, device=device).to(torch.float8_e4m3fn)
+    blocks = (-(-out_f // BLOCK), -(-in_f // BLOCK))
+    scale = torch.full(blocks, in_f**-0.5, dtype=torch.float32)
+    return {name + ".weight": q.cpu(), name + ".weight_scale_inv": scale}
+
+
+def write_weights(out: Path, cfg: dict, device: str = "cpu", seed: int = 0) -> int:
+    """One safetensors shard per layer (+ embeddings and head in the last) and the index;
+    returns the bytes written. Each shard is written to a temporary name, then renamed."""
+    import torch
+    from safetensors.torch import save_file
+
+    gen = torch.Generator(device=device)
+    gen.manual_seed(seed)
+    n = cfg["num_hidden_layers"]
+    weight_map: dict[str, str] = {}
+    total = 0
+    for i in range(n):
+        shard = f"model-{i + 1:05d}-of-{n:05d}.safetensors"
+        tensors: dict = {}
+        for name, shape, kind in layer_tensors(cfg, i):
+            tensors.update(_materialize(name, shape, kind, gen, device))
+        if i == n - 1:
+            vocab, h = cfg["vocab_size"], cfg["hidden_size"]
+            tensors.update(_materialize("model.embed_tokens", (vocab, h), "embed", gen, device))
+            tensors.update(_materialize("lm_head", (vocab, h), "router", gen, device))
+            tensors.update(_materialize("model.norm", (h,), "norm", gen, device))
+        tmp = out / (shard + ".partial")
+        save_file(tensors, str(tmp), metadata={"format": "pt"})
+        tmp.rename(out / shard)
+        total += (out / shard).stat().st_size
+        weight_map.update(dict.fromkeys(tensors, shard))
+        print(f"{shard}: {len(tensors)} tensors, {(out / shard).stat().st_size / 1e9:.2f} GB",
+              flush=True)  # fmt: skip
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=1))
+    return total
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("out", type=Path)
     ap.add_argument("--layers", type=int, default=LAYERS, help="1 dense + (layers-1) MoE")
+    ap.add_argument("--weights", action="store_true", help="write a random checkpoint too")
+    ap.add_argument("--device", default="cpu", help="where to generate the weights (cuda)")
+    ap.add_argument("--small", action="store_true", help="tiny shapes, for tests")
     a = ap.parse_args(argv)
     a.out.mkdir(parents=True, exist_ok=True)
-    cfg = config(a.layers)
+    cfg = config(a.layers, 256, 128, 8, 2) if a.small else config(a.layers)
+    if a.small:
+        cfg.update(intermediate_size=512, q_lora_rank=128, num_attention_heads=2,
+                   num_key_value_heads=2)  # fmt: skip
     (a.out / "config.json").write_text(json.dumps(cfg, indent=1) + "\n")
     (a.out / "generation_config.json").write_text(
         json.dumps({"bos_token_id": 0, "eos_token_id": 1})
     )
     write_tokenizer(a.out)
+    if a.weights:
+        write_weights(a.out, cfg, a.device)
     print(f"{a.out}: {cfg['num_hidden_layers']} layers, routed experts "
           f"{expert_bytes(cfg) / 1e9:.1f} GB FP8")  # fmt: skip
 

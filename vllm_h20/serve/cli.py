@@ -56,14 +56,20 @@ _gpu_opt = click.option(
 )
 
 
-def _plan(r, res, model: Path, gpu: str):
-    """The plan for a recipe already checked (`_checked`: vLLM's parser runs once)."""
+def _plan(r, res, model: Path, gpu: str, unknown_ok: bool = False):
+    """The plan for a recipe already checked (`_checked`: vLLM's parser runs once); None when
+    unknown_ok and the planner does not know the checkpoint's layout (it says so)."""
     from . import plan as plan_mod
 
     if not model.is_dir():
         _fail(f"{model}: not a directory; --model is the (converted) checkpoint directory")
     try:
         return plan_mod.plan(r, res.parsed, model, gpu)
+    except plan_mod.NotPlannable as e:
+        if not unknown_ok:
+            _fail(str(e))
+        click.echo(f"plan: skipped: {e}")
+        return None
     except (RecipeError, ValueError) as e:
         _fail(str(e))
 
@@ -151,6 +157,7 @@ def serve(file, model, gpu, dry_run, force, extra) -> None:
     if model is None:
         _fail(f"{r.path}: no model: pass --model DIR or set `model:` in the recipe")
     load_format = _last_flag(list(extra), "--load-format") or r.flags.get("load-format")
+    p = None
     if load_format == "dummy":
         if not (model / "config.json").is_file():
             _fail(f"{model}: no config.json; with load-format dummy --model is a directory "
@@ -158,7 +165,8 @@ def serve(file, model, gpu, dry_run, force, extra) -> None:
         # Random weights: no checkpoint to read sizes from; vLLM measures memory at start.
         click.echo("plan: skipped: load-format dummy (random weights, no checkpoint to size)")
     else:
-        p = _plan(r, res, model, gpu)
+        p = _plan(r, res, model, gpu, unknown_ok=True)
+    if p is not None:
         _print_plan(p)
         if not p.fits and not force:
             _fail(f"will not fit: {p.why} (see the plan above; --force starts anyway)",

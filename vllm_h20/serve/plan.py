@@ -26,6 +26,12 @@ GPUS = {"h20-96g": 97_871 * MIB, "h20-141g": 143_771 * MIB, "h200": 143_771 * MI
         "h100": 81_559 * MIB}  # fmt: skip
 
 _EXPERT = re.compile(r"^(?P<layer>.*)\.ffn\.experts\.(?P<e>\d+)\.")
+# DeepSeek-V2/V3 (Hugging Face) routed experts: a layout the planner does not size.
+_HF_EXPERT = re.compile(r"\.mlp\.experts\.\d+\.")
+
+
+class NotPlannable(RecipeError):
+    """A checkpoint whose layout the planner does not know; `serve` goes on without a plan."""
 _ENGRAM_TABLE = re.compile(r"\.engram\.embed\.")
 # Linears vLLM splits over tensor-parallel ranks (column- or row-parallel); the rest of the
 # dense tensors (low-rank down projections, norms, router, compressors) are replicated.
@@ -130,6 +136,11 @@ def plan(
     w: dict[str, float] = defaultdict(float)
     engram_tables: list[int] = []
     for name, nbytes in _tensors(model):
+        if _HF_EXPERT.search(name):
+            raise NotPlannable(
+                f"{model}: DeepSeek-V2/V3 tensor names ({name}); the planner sizes the "
+                "DeepSeek-V4.1 layout only"
+            )
         m = _EXPERT.match(name)
         if m:
             experts[m["layer"]][m["e"]] += nbytes
