@@ -32,6 +32,8 @@ _HF_EXPERT = re.compile(r"\.mlp\.experts\.\d+\.")
 
 class NotPlannable(RecipeError):
     """A checkpoint whose layout the planner does not know; `serve` goes on without a plan."""
+
+
 _ENGRAM_TABLE = re.compile(r"\.engram\.embed\.")
 # Linears vLLM splits over tensor-parallel ranks (column- or row-parallel); the rest of the
 # dense tensors (low-rank down projections, norms, router, compressors) are replicated.
