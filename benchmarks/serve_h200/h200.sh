@@ -72,6 +72,11 @@ install)
         python3 -m pip install -q --no-index --no-deps --no-compile --target "$SITE" \
             "$SH"/stage/wheels/*.whl 2>&1 | grep -v "already exists" | tail -n 5
         python3 -c "import vllm; print('vllm', vllm.__version__)" || exit 1
+        # pip --target skips a bin/ that `boot` already made, so vLLM's own script is missing.
+        if [ ! -x "$SITE/bin/vllm" ]; then
+            printf '#!/bin/sh\nexec python3 -m vllm.entrypoints.cli.main "$@"\n' > "$SITE/bin/vllm"
+            chmod +x "$SITE/bin/vllm"
+        fi
         touch "$SH/stage/.installed"
     fi
     vllm-h20 recipe check "$recipe" || exit 1

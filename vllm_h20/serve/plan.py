@@ -28,12 +28,6 @@ GPUS = {"h20-96g": 97_871 * MIB, "h20-141g": 143_771 * MIB, "h200": 143_771 * MI
 _EXPERT = re.compile(r"^(?P<layer>.*)\.ffn\.experts\.(?P<e>\d+)\.")
 # DeepSeek-V2/V3 (Hugging Face) routed experts: a layout the planner does not size.
 _HF_EXPERT = re.compile(r"\.mlp\.experts\.\d+\.")
-
-
-class NotPlannable(RecipeError):
-    """A checkpoint whose layout the planner does not know; `serve` goes on without a plan."""
-
-
 _ENGRAM_TABLE = re.compile(r"\.engram\.embed\.")
 # Linears vLLM splits over tensor-parallel ranks (column- or row-parallel); the rest of the
 # dense tensors (low-rank down projections, norms, router, compressors) are replicated.
@@ -41,6 +35,10 @@ _TP = re.compile(
     r"(\.attn\.(wq_b|wo_a|wo_b)\.|\.indexer\.wq_b\.|\.shared_experts\.w[123]\.|\.engram\.wkv\.|"
     r"^embed\.weight$|^head\.weight$)"
 )
+
+
+class NotPlannable(RecipeError):
+    """A checkpoint whose layout the planner does not know; `serve` goes on without a plan."""
 
 
 @dataclass(frozen=True)
