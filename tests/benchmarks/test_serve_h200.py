@@ -18,11 +18,24 @@ ROOT = Path(__file__).resolve().parents[2]
 HERE = ROOT / "benchmarks" / "serve_h200"
 RESULTS = ROOT / "benchmarks" / "results" / "serve_h200"
 RECIPE = ROOT / "recipes" / "test-h200-dsv3-fp8-flashinfer-cutlass.yaml"
-sys.path.insert(0, str(HERE))
 
-import make_model  # noqa: E402
-import probe  # noqa: E402
-import report  # noqa: E402
+
+def _load(name: str):
+    """benchmarks/serve_h200/NAME.py under a name of its own: other benchmark folders have a
+    stage.py and a report.py too, and sys.modules keeps the first one imported."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(f"serve_h200_{name}", HERE / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+make_model = _load("make_model")
+probe = _load("probe")
+report = _load("report")
+stage = _load("stage")
 
 
 def cli(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
@@ -100,8 +113,6 @@ def test_device_script_parses_and_refuses_unknown_steps(tmp_path):
 
 
 def test_stage_keeps_what_kernels_build_needs_in_the_boot_tar():
-    import stage
-
     reqs = stage.requirements()
     assert "vllm==0.26.0" in reqs and "flashinfer-python==0.6.14" in reqs
     assert len(reqs) == len({r.split("==")[0] for r in reqs})  # one version of each
