@@ -11,8 +11,8 @@ Two ways to get weights:
   (benchmarks/results/serve_h200/README.md);
 - `--weights` (round 2): a safetensors checkpoint with real magnitudes (FP8 E4M3 weights of
   unit variance with 128x128 block scales 1/sqrt(fan_in), a normal router, unit norms), one
-  shard per layer, generated on `--device` (a GPU makes the ~41 GB of 3 MoE layers in about
-  a minute). Routing then depends on the token.
+  shard per layer, generated on `--device` (~41 GB for 3 MoE layers; its time on a GPU is not
+  measured yet). Routing then depends on the token.
 
     python benchmarks/serve_h200/make_model.py .stage/model
     python benchmarks/serve_h200/make_model.py $SH/stage/model --weights --layers 4 --device cuda
@@ -29,8 +29,8 @@ HIDDEN = 5120
 MOE_INTERMEDIATE = 2304
 EXPERTS = 384
 TOP_K = 6
-# 1 dense layer + 4 MoE layers: 4 x 13.6 GB of FP8 experts, so two servers at
-# gpu-memory-utilization 0.46 each hold the model side by side on one 141 GB H200.
+# 1 dense layer + 4 MoE layers: 4 x 13.6 GB of FP8 experts (~52 GiB per server with the
+# rest), so two servers hold the model side by side on one 141 GB H200.
 LAYERS = 5
 VOCAB = 1024
 BOS, EOS = "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>"
