@@ -163,9 +163,9 @@ def _materialize(name: str, shape: tuple[int, ...], kind: str, gen, device: str)
     if kind == "norm":
         return {name + ".weight": torch.ones(shape, dtype=torch.bfloat16)}
     if kind in ("router", "embed"):
-        w = torch.randn(shape, generator=gen, device=device) / shape[-1] ** 0.5
-        if kind == "embed":
-            w = w * shape[-1] ** 0.5  # unit-variance embeddings; the first norm rescales them
+        # Unit-variance embeddings (the first norm rescales them); 1/sqrt(fan-in) otherwise.
+        std = 1.0 if kind == "embed" else shape[-1] ** -0.5
+        w = torch.randn(shape, generator=gen, device=device) * std
         return {name + ".weight": w.to(torch.bfloat16).cpu()}
     out_f, in_f = shape
     q = torch.randn(shape, generator=gen, device=device).to(torch.float8_e4m3fn)
@@ -202,8 +202,11 @@ def write_weights(out: Path, cfg: dict, device: str = "cpu", seed: int = 0) -> i
         weight_map.update(dict.fromkeys(tensors, shard))
         print(f"{shard}: {len(tensors)} tensors, {(out / shard).stat().st_size / 1e9:.2f} GB",
               flush=True)  # fmt: skip
-    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-    (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=1))
+    # Written last and atomically: `h200.sh weights` takes an index as a finished checkpoint.
+    from vllm_h20._io import write_json_atomic
+    from vllm_h20.convert.plan import INDEX
+
+    write_json_atomic(out / INDEX, {"metadata": {"total_size": total}, "weight_map": weight_map})
     return total
 
 

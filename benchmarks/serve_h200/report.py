@@ -30,14 +30,14 @@ def kernel_class(name: str) -> str:
         return "MoE GEMM: DeepGEMM swap-A/B"
     if "deep_gemm::fp8_gemm_kernel" in name:
         return "MoE GEMM: DeepGEMM regular"
-    if name == "fused_moe_kernel" or name.startswith("fused_moe_kernel"):
+    if name.startswith("fused_moe_kernel"):
         return "MoE GEMM: Triton fused_moe"
     moe = ("Moe", "moe_", "expandInputRows", "scale_1x128", "doActivation", "moe::")
     if any(m in name for m in moe):
         return "MoE other (routing, permute, act quant, finalize)"
     if "cutlass_3x_gemm_fp8_blockwise" in name:
         return "dense FP8 GEMMs (attention, shared expert, dense layer)"
-    if "flash" in name.lower() or "FlashAttn" in name:
+    if "flash" in name.lower():
         return "attention"
     if "distribution_elementwise" in name or "sbtopk" in name or "sort" in name.lower():
         return "sampling and top-k (router, sampler)"
