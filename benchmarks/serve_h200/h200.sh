@@ -9,16 +9,18 @@
 #   h200.sh weights         round 2: generate a random checkpoint with real magnitudes into the
 #                           model directory (LAYERS=4: 1 dense + 3 MoE, ~41 GB; on the GPU);
 #                           servers then load it instead of --load-format dummy
-#   h200.sh serve NAME...   start servers: fix (port 8001), stock (8002), triton (8003)
+#   h200.sh serve NAME...   start servers: fix (port 8001), stock (8002), triton (8003),
+#                           deepgemm (8004: vLLM's DeepGEMM MoE, its vendored deep_gemm)
 #   h200.sh wait NAME...    wait until each answers /health (or died: its log tail)
-#   h200.sh check           correctness (fix vs stock), decode-step routing, profiles
+#   h200.sh check           correctness (fix vs stock), decode-step routing, profiles of both
+#   h200.sh profile NAME... a torch-profiler kernel table of a few decode steps at c128
 #   h200.sh sweep SPEC NAME...   vllm-h20 bench sweep (resumes) into $SH/runs/SPEC[-$TAG]
 #   h200.sh stop NAME       stop a server
 #   h200.sh collect OUT     results (no traces) -> OUT/serve_h200.tar.gz
 #
 # .stage/ comes from benchmarks/serve_h200/stage.py on a machine with network.
 set -uo pipefail
-step=${1:?boot|take|install|weights|serve|wait|check|sweep|stop|collect}; shift
+step=${1:?boot|take|install|weights|serve|wait|check|profile|sweep|stop|collect}; shift
 cd "$(dirname "$0")/../.."
 repo=$PWD
 SH=${SH:-/tmp/serve_h200}
@@ -39,8 +41,8 @@ export VLLM_DEEP_GEMM_WARMUP=skip
 model=$SH/stage/model
 recipe=$repo/recipes/test-h200-dsv3-fp8-flashinfer-cutlass.yaml
 
-port() { case $1 in fix) echo 8001 ;; stock) echo 8002 ;; triton) echo 8003 ;;
-         *) echo "unknown server $1 (fix|stock|triton)" >&2; return 1 ;; esac; }
+port() { case $1 in fix) echo 8001 ;; stock) echo 8002 ;; triton) echo 8003 ;; deepgemm) echo 8004 ;;
+         *) echo "unknown server $1 (fix|stock|triton|deepgemm)" >&2; return 1 ;; esac; }
 healthy() { curl -sf -m 2 "localhost:$(port "$1")/health" >/dev/null; }
 
 case $step in
@@ -93,7 +95,7 @@ serve)
         p=$(port "$n") || exit 1
         healthy "$n" && { echo "$n: already serving on $p"; continue; }
         pgrep -f -- "--port $p" >/dev/null && { echo "$n: starting (pid $(pgrep -f -- "--port $p" | head -1))"; continue; }
-        if [ "$n" != triton ]; then
+        if [ "$n" = fix ] || [ "$n" = stock ]; then
             for _ in $(seq 600); do [ -f "$SH/build.done" ] && break; pgrep -f "kernels build" >/dev/null || break; sleep 1; done
             [ -f "$SH/build.done" ] || { echo "kernels build failed:"; tail -n 20 "$SH/logs/build.log"; exit 1; }
         fi
@@ -105,6 +107,7 @@ serve)
         case $n in
             stock) envs+=(VLLM_H20_MOE_DISPATCH=stock) ;;
             triton) args+=(--moe-backend triton) ;;
+            deepgemm) args+=(--moe-backend deep_gemm) ;;
         esac
         env "${envs[@]}" setsid vllm-h20 serve "$recipe" --model "$model" -- "${args[@]}" \
             > "$SH/logs/$n.log" 2>&1 < /dev/null &
@@ -128,8 +131,11 @@ wait)
 check)
     python3 benchmarks/serve_h200/probe.py compare --out "$SH/check" fix=8001 stock=8002 || exit 1
     python3 benchmarks/serve_h200/probe.py routing --out "$SH/check" fix=8001 || exit 1
-    for n in fix stock; do
-        python3 benchmarks/serve_h200/probe.py profile --out "$SH/check" --trace-dir "$SH/prof/$n" "$n=$(port $n)" || exit 1
+    bash "$repo/benchmarks/serve_h200/h200.sh" profile fix stock || exit 1
+    ;;
+profile)
+    for n in "$@"; do
+        python3 benchmarks/serve_h200/probe.py profile --out "$SH/check" --trace-dir "$SH/prof/$n" "$n=$(port "$n")" || exit 1
     done
     ;;
 sweep)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import re
 import shutil
 import subprocess
@@ -22,6 +23,8 @@ from pathlib import Path
 _NOISE = re.compile(r"POST /v1/|GET /metrics|GET /health|GET /v1/models|POST /(start|stop)_prof")
 # The profiler's schedule in h200.sh: 12 engine iterations after 8 skipped.
 PROFILED_STEPS = 12
+# The servers h200.sh starts, in the order the summary lists them.
+SERVERS = ("fix", "stock", "triton", "deepgemm")
 
 
 def kernel_class(name: str) -> str:
@@ -72,7 +75,7 @@ def _short(name: str) -> str:
 def summary(root: Path, reports: dict[str, Path]) -> str:
     chk = root / "check"
     lines = ["# Serving on one H200: stock vs per-expert (vLLM 0.26.0, FlashInfer CUTLASS MoE)", ""]
-    logs = {n: root / "logs" / f"{n}.log" for n in ("fix", "stock", "triton")}
+    logs = {n: root / "logs" / f"{n}.log" for n in SERVERS}
     lines += ["## What each server loaded (its own log lines)", ""]
     for n, p in logs.items():
         if not p.exists():
@@ -84,7 +87,7 @@ def summary(root: Path, reports: dict[str, Path]) -> str:
         lines.append(f"- **{n}** (MoE backend {backend.group(1) if backend else '?'}):")
         lines += [f"  - `{x[:300]}`" for x in dict.fromkeys(picked)]
     lines.append("")
-    found = [n for n in ("stock", "fix", "triton") if (chk / f"profile_{n}.json").exists()]
+    found = [n for n in ("stock", "fix", "triton", "deepgemm") if (chk / f"profile_{n}.json").exists()]
     profs = {n: json.loads((chk / f"profile_{n}.json").read_text()) for n in found}
     if profs:
         conc = next(iter(profs.values()))["concurrency"]
@@ -124,9 +127,12 @@ def summary(root: Path, reports: dict[str, Path]) -> str:
                   f"- first {c['max_tokens']} greedy tokens: {same} of {total} identical; "
                   f"identical prefixes {min(r['identical_prefix'] for r in rows)}-"
                   f"{max(r['identical_prefix'] for r in rows)} tokens;",
-                  f"- the first token's logprob is {lp:.4f} (ln 1/1024 = -6.9315): the random "
-                  "weights give a flat distribution, so this shows identical bits, not that the "
-                  "two paths agree on a model with real logits.", ""]  # fmt: skip
+                  f"- the first token's logprob is {lp:.4f} (a flat distribution over the "
+                  f"1,024-token vocabulary would give {-math.log(1024):.4f})."]  # fmt: skip
+        if abs(lp + math.log(1024)) < 0.01:
+            lines.append("- the logits are flat (dummy weights), so this shows identical bits, "
+                         "not that the two paths agree on a model with real logits.")
+        lines.append("")
     rt = chk / "routing_fix.json"
     if rt.exists():
         r = json.loads(rt.read_text())
