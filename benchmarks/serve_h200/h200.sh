@@ -15,12 +15,13 @@
 #   h200.sh check           correctness (fix vs stock), decode-step routing, profiles of both
 #   h200.sh profile NAME... a torch-profiler kernel table of a few decode steps at c128
 #   h200.sh sweep SPEC NAME...   vllm-h20 bench sweep (resumes) into $SH/runs/SPEC[-$TAG]
+#   h200.sh v4probe         background: vLLM 0.26 on a small DeepSeek-V4 (benchmarks/journey_h200)
 #   h200.sh stop NAME       stop a server
 #   h200.sh collect OUT     results (no traces) -> OUT/serve_h200.tar.gz
 #
 # .stage/ comes from benchmarks/serve_h200/stage.py on a machine with network.
 set -uo pipefail
-step=${1:?boot|take|install|weights|serve|wait|check|profile|sweep|stop|collect}; shift
+step=${1:?boot|take|install|weights|serve|wait|check|profile|v4probe|sweep|stop|collect}; shift
 cd "$(dirname "$0")/../.."
 repo=$PWD
 SH=${SH:-/tmp/serve_h200}
@@ -137,6 +138,16 @@ profile)
     for n in "$@"; do
         python3 benchmarks/serve_h200/probe.py profile --out "$SH/check" --trace-dir "$SH/prof/$n" "$n=$(port "$n")" || exit 1
     done
+    ;;
+v4probe)
+    # Issue 4/4's first look, in the background while nothing is measured: does vLLM 0.26 run
+    # a small DeepSeek-V4 (dummy weights) here, with MXFP4 and with FP8 experts?
+    pgrep -f v4_probe.py >/dev/null && { echo "v4 probe: running"; exit 0; }
+    setsid bash -c "python3 benchmarks/journey_h200/v4_probe.py $SH/check/v4 --expert-dtype fp4 \
+            > $SH/logs/v4-fp4.log 2>&1; python3 benchmarks/journey_h200/v4_probe.py $SH/check/v4 \
+            --expert-dtype fp8 --moe-backend flashinfer_cutlass > $SH/logs/v4-fp8.log 2>&1" \
+        < /dev/null > /dev/null 2>&1 &
+    echo "v4 probe: started"
     ;;
 sweep)
     spec=${1:?spec}; shift

@@ -87,7 +87,8 @@ def summary(root: Path, reports: dict[str, Path]) -> str:
         lines.append(f"- **{n}** (MoE backend {backend.group(1) if backend else '?'}):")
         lines += [f"  - `{x[:300]}`" for x in dict.fromkeys(picked)]
     lines.append("")
-    found = [n for n in ("stock", "fix", "triton", "deepgemm") if (chk / f"profile_{n}.json").exists()]
+    order = ("stock", "fix", "triton", "deepgemm")  # the baseline first
+    found = [n for n in order if (chk / f"profile_{n}.json").exists()]
     profs = {n: json.loads((chk / f"profile_{n}.json").read_text()) for n in found}
     if profs:
         conc = next(iter(profs.values()))["concurrency"]
@@ -130,8 +131,10 @@ def summary(root: Path, reports: dict[str, Path]) -> str:
                   f"- the first token's logprob is {lp:.4f} (a flat distribution over the "
                   f"1,024-token vocabulary would give {-math.log(1024):.4f})."]  # fmt: skip
         if abs(lp + math.log(1024)) < 0.01:
-            lines.append("- the logits are flat (dummy weights), so this shows identical bits, "
-                         "not that the two paths agree on a model with real logits.")
+            lines.append(
+                "- the logits are flat (dummy weights), so this shows identical bits, "
+                "not that the two paths agree on a model with real logits."
+            )
         lines.append("")
     rt = chk / "routing_fix.json"
     if rt.exists():
