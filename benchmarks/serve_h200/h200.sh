@@ -145,7 +145,9 @@ v4probe)
     pgrep -f v4_probe.py >/dev/null && { echo "v4 probe: running"; exit 0; }
     setsid bash -c "python3 benchmarks/journey_h200/v4_probe.py $SH/check/v4 --expert-dtype fp4 \
             > $SH/logs/v4-fp4.log 2>&1; python3 benchmarks/journey_h200/v4_probe.py $SH/check/v4 \
-            --expert-dtype fp8 --moe-backend flashinfer_cutlass > $SH/logs/v4-fp8.log 2>&1" \
+            --expert-dtype fp8 --moe-backend flashinfer_cutlass > $SH/logs/v4-fp8.log 2>&1; \
+            python3 benchmarks/journey_h200/v4_probe.py $SH/check/v4 --expert-dtype fp4 \
+            --moe-backend humming > $SH/logs/v4-fp4-humming.log 2>&1" \
         < /dev/null > /dev/null 2>&1 &
     echo "v4 probe: started"
     ;;
