@@ -47,6 +47,18 @@ class ModelShape:
     mtp_top_k: int = 3
     vision_layers: int = 2
     vision_dim: int = 1024
+    # DeepSeek-V4 layout only: the first `hash_layers` layers route by token id (a table, no
+    # router bias); attention keeps a sliding window and, per layer, a compression ratio.
+    hash_layers: int = 1
+    sliding_window: int = 128
+    index_topk: int = 512
+
+
+def v4_compress_ratios(s: ModelShape) -> list[int]:
+    """Per-layer KV compression of the V4 layout: 0 (sliding window only) for layer 0, then 4
+    (compressed, sparse through the indexer) and 128 (compressed) alternating, so that even a
+    few layers hold every kind. A release states its own list in config.json."""
+    return [0 if i == 0 else (4 if i % 2 else 128) for i in range(s.layers)]
 
 
 PRESETS: dict[str, ModelShape] = {
@@ -132,10 +144,31 @@ def _config(shape: ModelShape, layout: str) -> dict:
         "torch_dtype": "bfloat16",
     }
     if layout == "v4":
+        # vLLM's DeepseekV4Config has no defaults: every key its model reads is here.
         return {
             "architectures": ["DeepseekV4ForCausalLM"],
             "model_type": "deepseek_v4",
             **text,
+            "num_key_value_heads": 1,
+            "num_hash_layers": shape.hash_layers,
+            "compress_ratios": v4_compress_ratios(shape),
+            "sliding_window": shape.sliding_window,
+            "index_topk": shape.index_topk,
+            "hc_eps": 1e-6,
+            "hc_sinkhorn_iters": 20,
+            "scoring_func": "sqrtsoftplus",
+            "topk_method": "noaux_tc",
+            "norm_topk_prob": True,
+            "routed_scaling_factor": 1.5,
+            "hidden_act": "silu",
+            "swiglu_limit": 10.0,
+            "max_position_embeddings": 65536,
+            "rope_theta": 10000.0,
+            "compress_rope_theta": 160000.0,
+            "rope_scaling": {"rope_type": "default", "rope_theta": 10000.0},
+            "bos_token_id": 0,
+            "eos_token_id": 1,
+            "tie_word_embeddings": False,
             "expert_dtype": "fp4",
             "quantization_config": {
                 "quant_method": "fp8",
@@ -182,7 +215,27 @@ def _mxfp4(name: str, n: int, k: int) -> list[Entry]:
     ]
 
 
-def _block(prefix: str, s: ModelShape, experts: int, block: int, engram: bool) -> list[Entry]:
+def _compressor(c: str, s: ModelShape, head_dim: int, ratio: int) -> list[Entry]:
+    """V4: ratio-4 compressors overlap two windows, so their projections are twice as wide."""
+    wide = (2 if ratio == 4 else 1) * head_dim
+    return [
+        (f"{c}.wkv.weight", "BF16", (wide, s.hidden), "bf16"),
+        (f"{c}.wgate.weight", "BF16", (wide, s.hidden), "bf16"),
+        (f"{c}.norm.weight", "BF16", (head_dim,), "norm"),
+        (f"{c}.ape", "F32", (ratio, wide), "f32"),
+    ]
+
+
+def _block(
+    prefix: str,
+    s: ModelShape,
+    experts: int,
+    block: int,
+    engram: bool,
+    v4_layer: int | None = None,
+) -> list[Entry]:
+    """One decoder block; `v4_layer` (the layer's index, -1 for a draft block) selects the V4
+    layout's per-layer compressor, indexer and routing table."""
     h, mix = s.hidden, (2 + s.hc_mult) * s.hc_mult
     e: list[Entry] = [
         (f"{prefix}.attn_norm.weight", "BF16", (h,), "norm"),
@@ -205,15 +258,22 @@ def _block(prefix: str, s: ModelShape, experts: int, block: int, engram: bool) -
     e += _fp8_linear(f"{a}.wo_a", s.o_groups * s.o_lora, s.heads * s.head_dim // s.o_groups, block)
     e += _fp8_linear(f"{a}.wo_b", h, s.o_groups * s.o_lora, block)
     e += [(f"{a}.attn_sink", "F32", (s.heads,), "f32")]
-    for c in (f"{a}.compressor", f"{a}.indexer.compressor"):
-        e += [
-            (f"{c}.wkv.weight", "BF16", (s.head_dim, h), "bf16"),
-            (f"{c}.wgate.weight", "BF16", (s.head_dim, h), "bf16"),
-            (f"{c}.norm.weight", "BF16", (s.head_dim,), "norm"),
-            (f"{c}.ape", "F32", (s.compress_ratio, s.head_dim), "f32"),
-        ]
-    e += _fp8_linear(f"{a}.indexer.wq_b", s.index_heads * s.index_head_dim, s.q_lora, block)
-    e += [(f"{a}.indexer.weights_proj.weight", "BF16", (s.index_heads, h), "bf16")]
+    if v4_layer is None:
+        for c in (f"{a}.compressor", f"{a}.indexer.compressor"):
+            e += [
+                (f"{c}.wkv.weight", "BF16", (s.head_dim, h), "bf16"),
+                (f"{c}.wgate.weight", "BF16", (s.head_dim, h), "bf16"),
+                (f"{c}.norm.weight", "BF16", (s.head_dim,), "norm"),
+                (f"{c}.ape", "F32", (s.compress_ratio, s.head_dim), "f32"),
+            ]
+    ratio = v4_compress_ratios(s)[v4_layer] if v4_layer is not None and v4_layer >= 0 else 0
+    if v4_layer is not None and ratio > 1:
+        e += _compressor(f"{a}.compressor", s, s.head_dim, ratio)
+    if v4_layer is None or ratio == 4:
+        e += _fp8_linear(f"{a}.indexer.wq_b", s.index_heads * s.index_head_dim, s.q_lora, block)
+        e += [(f"{a}.indexer.weights_proj.weight", "BF16", (s.index_heads, h), "bf16")]
+    if v4_layer is not None and ratio == 4:
+        e += _compressor(f"{a}.indexer.compressor", s, s.index_head_dim, ratio)
     if engram:
         g = f"{prefix}.engram"
         e += [
@@ -227,10 +287,11 @@ def _block(prefix: str, s: ModelShape, experts: int, block: int, engram: bool) -
             (f"{g}.norm.weight", "BF16", (h,), "norm"),
         ]
     f = f"{prefix}.ffn"
-    e += [
-        (f"{f}.gate.weight", "BF16", (experts, h), "bf16"),
-        (f"{f}.gate.bias", "F32", (experts,), "f32"),
-    ]
+    e += [(f"{f}.gate.weight", "BF16", (experts, h), "bf16")]
+    if v4_layer is not None and 0 <= v4_layer < s.hash_layers:
+        e += [(f"{f}.gate.tid2eid", "I32", (s.vocab, s.top_k), f"tid2eid:{experts}")]
+    else:
+        e += [(f"{f}.gate.bias", "F32", (experts,), "f32")]
     e += _fp8_linear(f"{f}.shared_experts.w1", s.shared_inter, h, block)
     e += _fp8_linear(f"{f}.shared_experts.w2", h, s.shared_inter, block)
     e += _fp8_linear(f"{f}.shared_experts.w3", s.shared_inter, h, block)
@@ -245,8 +306,11 @@ def inventory(s: ModelShape, layout: str = "v41") -> list[Entry]:
     """Every tensor of a checkpoint of this shape, in file order."""
     block = 32 if layout == "v41" else 128
     e: list[Entry] = [("embed.weight", "BF16", (s.vocab, s.hidden), "bf16")]
+    v4 = layout == "v4"
     for layer in range(s.layers):
-        e += _block(f"layers.{layer}", s, s.experts, block, layer in s.engram_layers)
+        # V4 has no Engram (V4.1 added it).
+        engram = layer in s.engram_layers and not v4
+        e += _block(f"layers.{layer}", s, s.experts, block, engram, layer if v4 else None)
     for k in range(s.mtp_layers):
         p = f"mtp.{k}"
         e += [
@@ -255,7 +319,7 @@ def inventory(s: ModelShape, layout: str = "v41") -> list[Entry]:
             (f"{p}.e_proj.weight", "BF16", (s.hidden, s.hidden), "bf16"),
             (f"{p}.h_proj.weight", "BF16", (s.hidden, s.hidden), "bf16"),
         ]
-        e += _block(p, s, s.mtp_experts, block, False)
+        e += _block(p, s, s.mtp_experts, block, False, -1 if v4 else None)
     e += [
         ("norm.weight", "BF16", (s.hidden,), "norm"),
         ("head.weight", "BF16", (s.vocab, s.hidden), "bf16"),
@@ -287,6 +351,10 @@ class _Data:
         r, n = self.rng, int(np.prod(shape))
         if kind == "fp4":
             return r.integers(0, 256, n, dtype=np.uint8).view(np.int8).reshape(shape)
+        if kind.startswith("tid2eid:"):  # each token's experts: distinct, like a hash
+            experts = int(kind.split(":")[1])
+            rows = np.argsort(r.random((shape[0], experts)), axis=1)[:, : shape[1]]
+            return rows.astype(np.int32)
         if kind == "e8m0":
             base = int(r.integers(110, 124))
             return (base - r.integers(0, self.spread + 1, n)).astype(np.uint8).reshape(shape)
