@@ -7,6 +7,7 @@ fp4`, the release) and once with FP8 block experts (`fp8`, our conversion). Each
 the parameters vLLM built (name, shape, dtype: what a checkpoint must fill), the MoE backend
 and attention kernels it chose (its log), and a few greedy tokens, or the error that stopped it.
 
+    python benchmarks/journey_h200/v4_probe.py --write-configs   # here, after synth changes
     python benchmarks/journey_h200/v4_probe.py OUT --expert-dtype fp4 [--moe-backend auto]
 """
 
@@ -19,61 +20,23 @@ import sys
 import time
 from pathlib import Path
 
+# The probe's model: V4.1-Flash's expert shapes with few experts and layers, V4's attention.
+SHAPE = dict(hidden=5120, moe_inter=2304, shared_inter=2304, experts=16, top_k=6, layers=4,
+             vocab=1024, q_lora=1024, head_dim=512, heads=64, o_groups=8, o_lora=1024,
+             index_heads=64, index_head_dim=128, mtp_layers=0)  # fmt: skip
+CONFIGS = Path(__file__).with_name("probe_configs")
 
-def config(expert_dtype: str, layers: int = 4, experts: int = 16) -> dict:
-    """DeepSeek-V4's config keys as vLLM 0.26's model reads them (it has no defaults)."""
-    return {
-        "architectures": ["DeepseekV4ForCausalLM"],
-        "model_type": "deepseek_v4",
-        "torch_dtype": "bfloat16",
-        "vocab_size": 1024,
-        "hidden_size": 5120,
-        "moe_intermediate_size": 2304,
-        "num_hidden_layers": layers,
-        "num_hash_layers": 1,
-        "num_attention_heads": 64,
-        "num_key_value_heads": 1,
-        "head_dim": 512,
-        "qk_rope_head_dim": 64,
-        "q_lora_rank": 1024,
-        "o_lora_rank": 1024,
-        "o_groups": 8,
-        "n_routed_experts": experts,
-        "n_shared_experts": 1,
-        "num_experts_per_tok": 6,
-        "routed_scaling_factor": 1.5,
-        "norm_topk_prob": True,
-        "scoring_func": "sqrtsoftplus",
-        "topk_method": "noaux_tc",
-        "hidden_act": "silu",
-        "swiglu_limit": 10.0,
-        "max_position_embeddings": 4096,
-        "rope_theta": 10000.0,
-        "compress_rope_theta": 160000.0,
-        "rope_scaling": {"rope_type": "default", "rope_theta": 10000.0},
-        # 0: sliding window only; 4: compressed + sparse (indexer); 128: compressed.
-        "compress_ratios": ([0, 4, 128] * layers)[:layers],
-        "sliding_window": 128,
-        "hc_eps": 1e-6,
-        "hc_mult": 4,
-        "hc_sinkhorn_iters": 20,
-        "index_head_dim": 128,
-        "index_n_heads": 64,
-        "index_topk": 512,
-        "num_nextn_predict_layers": 0,
-        "rms_norm_eps": 1e-6,
-        "bos_token_id": 0,
-        "eos_token_id": 1,
-        "tie_word_embeddings": False,
-        "expert_dtype": expert_dtype,
-        "quantization_config": {
-            "quant_method": "fp8",
-            "activation_scheme": "dynamic",
-            "fmt": "e4m3",
-            "weight_block_size": [128, 128],
-            **({"scale_fmt": "ue8m0"} if expert_dtype == "fp4" else {}),
-        },
-    }
+
+def configs() -> dict[str, dict]:
+    """config.json of the release (`fp4`) as `vllm-h20 synth --layout v4` writes it, and of
+    the conversion (`fp8`) as `vllm-h20 convert` rewrites it; committed under probe_configs/
+    (the GPU machine runs the probe without our converter's dependencies)."""
+    from vllm_h20.convert import rules
+    from vllm_h20.convert.config import rewrite_config
+    from vllm_h20.convert.synth import _config, scaled
+
+    release = _config(scaled("tiny", **SHAPE), "v4")
+    return {"fp4": release, "fp8": rewrite_config(release, rules.load(None).config)}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -81,15 +44,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("out", type=Path)
     ap.add_argument("--expert-dtype", choices=("fp4", "fp8"), required=True)
     ap.add_argument("--moe-backend", default="auto")
-    ap.add_argument("--layers", type=int, default=4)
-    ap.add_argument("--experts", type=int, default=16)
     a = ap.parse_args(argv)
     tag = f"{a.expert_dtype}-{a.moe_backend}"
     model = a.out / f"model-{a.expert_dtype}"
     model.mkdir(parents=True, exist_ok=True)
-    (model / "config.json").write_text(
-        json.dumps(config(a.expert_dtype, a.layers, a.experts), indent=1)
-    )
+    (model / "config.json").write_text((CONFIGS / f"v4-{a.expert_dtype}.json").read_text())
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "serve_h200"))
     from make_model import write_tokenizer
 
@@ -126,4 +85,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    if sys.argv[1:] == ["--write-configs"]:
+        CONFIGS.mkdir(exist_ok=True)
+        for k, v in configs().items():
+            (CONFIGS / f"v4-{k}.json").write_text(json.dumps(v, indent=1) + "\n")
+        sys.exit(0)
     sys.exit(main())

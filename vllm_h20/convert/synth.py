@@ -148,7 +148,7 @@ def _config(shape: ModelShape, layout: str) -> dict:
         return {
             "architectures": ["DeepseekV4ForCausalLM"],
             "model_type": "deepseek_v4",
-            **text,
+            **{k: v for k, v in text.items() if k != "engram_layer_ids"},
             "num_key_value_heads": 1,
             "num_hash_layers": shape.hash_layers,
             "compress_ratios": v4_compress_ratios(shape),
