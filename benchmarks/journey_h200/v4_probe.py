@@ -61,7 +61,8 @@ def main(argv: list[str] | None = None) -> int:
 
         llm = LLM(model=str(model), load_format="dummy", enforce_eager=True,
                   max_model_len=1024, max_num_seqs=8, gpu_memory_utilization=0.2,
-                  kv_cache_memory_bytes=1 << 30, moe_backend=a.moe_backend)  # fmt: skip
+                  kv_cache_memory_bytes=1 << 30, kv_cache_dtype="fp8",
+                  moe_backend=a.moe_backend)  # fmt: skip
         result["init_s"] = round(time.time() - t0, 1)
 
         def params(m):

@@ -210,6 +210,9 @@ def cmd_profile(a) -> None:
         time.sleep(a.settle_s)  # every stream prefilled: steady decode at full batch
         post(port, "/start_profile")
         time.sleep(a.window_s)
+        if all(f.done() for f in futs):
+            print(f"{name}: every request ended before the window closed; the trace may hold "
+                  "no full-batch decode step (raise --tokens)")  # fmt: skip
         try:  # with max_iterations the profiler may have stopped itself already
             post(port, "/stop_profile")
         except OSError as e:
@@ -260,7 +263,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("servers", nargs=1, metavar="NAME=PORT")
     p.add_argument("--trace-dir", required=True, help="the server's torch_profiler_dir")
     p.add_argument("--concurrency", type=int, default=128)
-    p.add_argument("--tokens", type=int, default=200)
+    # Long enough that decode at full batch outlasts /start_profile (it returned after 11 s
+    # in round 2, when 200-token requests had already finished) and the profiled steps.
+    p.add_argument("--tokens", type=int, default=1500)
     p.add_argument("--settle-s", type=float, default=3.0)
     p.add_argument("--window-s", type=float, default=2.0)
     for s in (c, r, p):

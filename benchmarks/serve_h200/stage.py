@@ -1,11 +1,12 @@
 """Stage what the GPU machine needs into .stage/ (run where PyPI is reachable): the wheels of
 wheels.txt for Python 3.12 x86-64, vllm-h20's own wheel, and the test model's directory, packed
-so that each device call carries at most one piece under its 64 MiB limit.
+so that each device call carries one piece under its 64 MiB limit, the working tree included.
 
 - `.stage/boot.tar`: FlashInfer, TVM FFI, vllm-h20 and the model (~17 MB): enough to start
   building the fix modules while the rest travels;
-- `.stage/piece-NN`: the other wheels, one tar split into 56 MiB pieces (`h200.sh take` moves
-  each away on arrival; `h200.sh install` joins them).
+- `.stage/piece-NN`: the other wheels, one tar split into pieces sized so that a piece and the
+  working tree (tracked and untracked files, which travel with every call) fit 64 MiB
+  (`h200.sh take` moves each away on arrival; `h200.sh install` joins them).
 
     python benchmarks/serve_h200/stage.py   # then carry .stage/boot.tar, .stage/piece-00, ...
 """
@@ -25,7 +26,27 @@ PLATFORMS = ["manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_17_x
              "manylinux2014_x86_64", "manylinux1_x86_64", "manylinux_2_24_x86_64",
              "manylinux_2_31_x86_64", "manylinux_2_34_x86_64", "manylinux_2_35_x86_64"]  # fmt: skip
 BOOT = ("flashinfer_python-", "apache_tvm_ffi-")  # what `kernels build` needs besides torch
-PIECE = 56 << 20
+CARRY_LIMIT = 64 << 20  # the device tool's limit per call: working tree + carried paths
+MARGIN = 2 << 20
+
+
+def tree_bytes(repo: Path = REPO) -> int:
+    """Bytes of what travels with every device call: tracked and untracked, not ignored."""
+    out = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+                         cwd=repo, check=True, capture_output=True).stdout  # fmt: skip
+    files = (repo / f for f in out.decode().split("\0") if f)
+    return sum(f.stat().st_size for f in files if f.is_file())
+
+
+def piece_bytes(tree: int) -> int:
+    """The largest piece that travels beside the working tree, in whole MiB."""
+    room = (CARRY_LIMIT - tree - MARGIN) >> 20
+    if room < 8:
+        raise SystemExit(
+            f"the working tree is {tree / 2**20:.1f} MiB: no room left for pieces "
+            "under the device tool's 64 MiB; move large untracked files away"
+        )
+    return room << 20
 
 
 def requirements() -> list[str]:
@@ -46,7 +67,10 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--stage", type=Path, default=REPO / ".stage")
     ap.add_argument("--layers", type=int, default=None, help="model layers (make_model.py)")
+    ap.add_argument("--piece-mib", type=int, default=None,
+                    help="piece size (default: what fits beside the working tree)")  # fmt: skip
     a = ap.parse_args(argv)
+    piece = a.piece_mib << 20 if a.piece_mib else piece_bytes(tree_bytes())
     st = a.stage
     wheels, boot = st / "wheels", st / "boot"
     download(wheels)
@@ -71,7 +95,7 @@ def main(argv: list[str] | None = None) -> None:
         old.unlink()
     n = 0
     with open(bundle, "rb") as f:
-        while chunk := f.read(PIECE):
+        while chunk := f.read(piece):
             (st / f"piece-{n:02d}").write_bytes(chunk)
             n += 1
     bundle.unlink()
@@ -80,7 +104,7 @@ def main(argv: list[str] | None = None) -> None:
         t.add(boot, arcname="boot")
         t.add(model, arcname="model")
     size = (st / "boot.tar").stat().st_size
-    print(f"{st}/boot.tar ({size / 2**20:.1f} MiB) and {n} pieces of <= {PIECE >> 20} MiB "
+    print(f"{st}/boot.tar ({size / 2**20:.1f} MiB) and {n} pieces of <= {piece >> 20} MiB "
           f"({len(rest)} wheels)")  # fmt: skip
 
 
