@@ -176,6 +176,9 @@ collect)
     python3 -m pip list --path "$SITE" 2>/dev/null > "$SH/logs/site-packages.txt"
     python3 -c "import torch; print('torch', torch.__version__, torch.version.cuda)" >> "$SH/logs/site-packages.txt"
     cp "$SH/build.json" "$SH/logs/" 2>/dev/null
+    # When each DeepGEMM kernel was compiled: a kernel compiled while serving stalls the server.
+    find "$TRTLLM_DG_CACHE_DIR" -type f -printf '%TY-%Tm-%Td %TH:%TM:%.2TS %s %P\n' 2>/dev/null \
+        | sort > "$SH/logs/deepgemm-cache.txt"
     tar -czf "$OUT/serve_h200.tar.gz" -C "$SH" logs check runs
     ls -l "$OUT"
     ;;

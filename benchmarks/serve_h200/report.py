@@ -9,6 +9,7 @@ of GPU time per decode step, the correctness comparison and the decode-step rout
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import math
 import re
@@ -147,6 +148,14 @@ def summary(root: Path, reports: dict[str, Path]) -> str:
                          f"tokens chose different experts: {moe or 'none'}; uniform random "
                          f"routing would leave {t['uniform_random']['zero']:.0f} experts idle "
                          f"with the busiest at {t['uniform_random']['max']:.1f} rows.")  # fmt: skip
+        head = "Rows per expert in the last recorded decode step (histogram: `rows: experts`):"
+        lines += ["", head, ""]
+        for t in r["tiers"]:
+            step = t["counts"][-1]
+            for layer in t.get("varied_layers") or []:
+                hist = collections.Counter(step[layer])
+                cells = " ".join(f"{k}:{hist[k]}" for k in sorted(hist))
+                lines.append(f"- c{t['concurrency']} layer {layer}: {cells}")
         lines.append("")
     for name, rep in reports.items():
         head = (rep / "report.md").read_text().split("## Latency")[0]
