@@ -30,3 +30,27 @@ def test_bad_layout_and_preset():
         generate("/nonexistent", PRESETS["tiny"], layout="v5")
     with pytest.raises(ValueError, match="preset"):
         scaled("huge")
+
+
+@pytest.mark.parametrize("layout", ["v41", "v4"])
+def test_quantized_weights_have_trained_magnitudes(tmp_path, layout):
+    """Dequantized, a generated linear has std ~1/sqrt(fan-in) (spread 0: within the rounding
+    of the scale to a power of two), so a served synthetic model routes by token and has
+    real logits."""
+    import numpy as np
+
+    from vllm_h20.convert.codecs import e2m1_decode, e4m3_decode, e8m0_exponent, unpack_e2m1
+    from vllm_h20.convert.safetensors_io import ShardReader
+
+    generate(tmp_path / "m", PRESETS["tiny"], layout=layout, shards=1, spread=0)
+    r = ShardReader(read_header(next((tmp_path / "m").glob("*.safetensors"))))
+    h = PRESETS["tiny"].hidden
+    w = e2m1_decode(unpack_e2m1(r.array("layers.0.ffn.experts.0.w1.weight").view(np.uint8)))
+    e = e8m0_exponent(r.array("layers.0.ffn.experts.0.w1.scale").view(np.uint8))
+    deq = w * np.repeat(np.ldexp(1.0, e), 32, axis=1)
+    assert 2**-0.6 < deq.std() * np.sqrt(h) < 2**0.6
+    block = 32 if layout == "v41" else 128
+    q = e4m3_decode(r.array("layers.0.attn.wq_a.weight").view(np.uint8))
+    s = np.ldexp(1.0, e8m0_exponent(r.array("layers.0.attn.wq_a.scale").view(np.uint8)))
+    deq = q * np.kron(s, np.ones((block, block)))[: q.shape[0], : q.shape[1]]
+    assert 2**-0.6 < deq.std() * np.sqrt(h) < 2**0.6

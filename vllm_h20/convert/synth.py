@@ -204,14 +204,14 @@ Entry = tuple[str, str, tuple[int, ...], str]
 def _fp8_linear(name: str, n: int, k: int, block: int) -> list[Entry]:
     return [
         (f"{name}.weight", "F8_E4M3", (n, k), "fp8"),
-        (f"{name}.scale", "F8_E8M0", (-(-n // block), -(-k // block)), "e8m0"),
+        (f"{name}.scale", "F8_E8M0", (-(-n // block), -(-k // block)), f"e8m0:fp8:{k}"),
     ]
 
 
 def _mxfp4(name: str, n: int, k: int) -> list[Entry]:
     return [
         (f"{name}.weight", "I8", (n, k // 2), "fp4"),
-        (f"{name}.scale", "F8_E8M0", (n, k // 32), "e8m0"),
+        (f"{name}.scale", "F8_E8M0", (n, k // 32), f"e8m0:fp4:{k}"),
     ]
 
 
@@ -278,7 +278,7 @@ def _block(
         g = f"{prefix}.engram"
         e += [
             (f"{g}.embed.weight", "F8_E4M3", (s.engram_rows, s.engram_dim), "fp8"),
-            (f"{g}.embed.scale", "F8_E8M0", (s.engram_rows, s.engram_dim // 32), "e8m0"),
+            (f"{g}.embed.scale", "F8_E8M0", (s.engram_rows, s.engram_dim // 32), "e8m0:fp8:1"),
         ]
         e += _fp8_linear(f"{g}.wkv", h * (s.hc_mult + 1), s.engram_dim, block)
         e += [
@@ -340,6 +340,11 @@ def inventory(s: ModelShape, layout: str = "v41") -> list[Entry]:
     return e
 
 
+# RMS of the values the generator writes: uniform E2M1 codes (sqrt(68.5 / 8)), and the FP8
+# generator's N(0, 64).
+_CODE_RMS = {"fp4": 2.93, "fp8": 64.0}
+
+
 class _Data:
     """Deterministic tensor contents; expert codes uniform, FP8 values Gaussian."""
 
@@ -355,9 +360,14 @@ class _Data:
             experts = int(kind.split(":")[1])
             rows = np.argsort(r.random((shape[0], experts)), axis=1)[:, : shape[1]]
             return rows.astype(np.int32)
-        if kind == "e8m0":
-            base = int(r.integers(110, 124))
-            return (base - r.integers(0, self.spread + 1, n)).astype(np.uint8).reshape(shape)
+        if kind.startswith("e8m0:"):
+            # Centred so the dequantized weight has std ~1/sqrt(fan-in), as trained weights
+            # roughly do (a served model then has token-dependent routing and real logits);
+            # `spread` exponents of variation around that centre.
+            _, codes, fan_in = kind.split(":")
+            target = np.log2(1.0 / (np.sqrt(int(fan_in)) * _CODE_RMS[codes]))
+            top = int(np.clip(127 + round(target) + self.spread // 2, self.spread, 254))
+            return (top - r.integers(0, self.spread + 1, n)).astype(np.uint8).reshape(shape)
         if kind == "fp8":
             v = np.clip(r.standard_normal(n, dtype=np.float32) * 64.0, -448, 448)
             return v.astype(ml_dtypes.float8_e4m3fn).view(np.uint8).reshape(shape)
