@@ -16,12 +16,18 @@
 #   h200.sh profile NAME... a torch-profiler kernel table of a few decode steps at c128
 #   h200.sh sweep SPEC NAME...   vllm-h20 bench sweep (resumes) into $SH/runs/SPEC[-$TAG]
 #   h200.sh v4probe         background: vLLM 0.26 on a small DeepSeek-V4 (benchmarks/journey_h200)
+#   h200.sh v4release       issue 4/4: a synthetic DeepSeek-V4 release (vllm-h20 synth --preset
+#                           v4-h200 --layout v4; 21.6 GB in $V4REL, default /dev/shm: the disk
+#                           holds the conversion) with this folder's byte-level tokenizer
+#   h200.sh v4convert       vllm-h20 convert + verify it into $SH/v4/converted (timed)
+#                           servers v4hum (8011: the release on Humming), v4fix (8012: the
+#                           conversion, FlashInfer CUTLASS + fix), v4stock (8013: same, stock)
 #   h200.sh stop NAME       stop a server
 #   h200.sh collect OUT     results (no traces) -> OUT/serve_h200.tar.gz
 #
 # .stage/ comes from benchmarks/serve_h200/stage.py on a machine with network.
 set -uo pipefail
-step=${1:?boot|take|install|weights|serve|wait|check|profile|v4probe|sweep|stop|collect}; shift
+step=${1:?boot|take|install|weights|serve|wait|check|profile|v4release|v4convert|v4probe|sweep|stop|collect}; shift
 cd "$(dirname "$0")/../.."
 repo=$PWD
 SH=${SH:-/tmp/serve_h200}
@@ -41,9 +47,19 @@ export VLLM_DISABLED_KERNELS=FlashInferFp8DeepGEMMDynamicBlockScaledKernel,DeepG
 export VLLM_DEEP_GEMM_WARMUP=skip
 model=$SH/stage/model
 recipe=$repo/recipes/test-h200-dsv3-fp8-flashinfer-cutlass.yaml
+V4REL=${V4REL:-/dev/shm/v4-release}
+V4FP8=$SH/v4/converted
 
 port() { case $1 in fix) echo 8001 ;; stock) echo 8002 ;; triton) echo 8003 ;; deepgemm) echo 8004 ;;
-         *) echo "unknown server $1 (fix|stock|triton|deepgemm)" >&2; return 1 ;; esac; }
+         v4hum) echo 8011 ;; v4fix) echo 8012 ;; v4stock) echo 8013 ;;
+         *) echo "unknown server $1 (fix|stock|triton|deepgemm|v4hum|v4fix|v4stock)" >&2
+            return 1 ;; esac; }
+# The checkpoint and recipe each server runs.
+model_of() { case $1 in v4hum) echo "$V4REL" ;; v4fix|v4stock) echo "$V4FP8" ;; *) echo "$model" ;; esac; }
+recipe_of() { case $1 in
+    v4hum) echo "$repo/recipes/test-h200-dsv4-mxfp4-humming.yaml" ;;
+    v4fix|v4stock) echo "$repo/recipes/test-h200-dsv4-fp8-flashinfer-cutlass.yaml" ;;
+    *) echo "$recipe" ;; esac; }
 healthy() { curl -sf -m 2 "localhost:$(port "$1")/health" >/dev/null; }
 
 case $step in
@@ -96,21 +112,25 @@ serve)
         p=$(port "$n") || exit 1
         healthy "$n" && { echo "$n: already serving on $p"; continue; }
         pgrep -f -- "--port $p" >/dev/null && { echo "$n: starting (pid $(pgrep -f -- "--port $p" | head -1))"; continue; }
-        if [ "$n" = fix ] || [ "$n" = stock ]; then
+        case $n in fix|stock|v4fix|v4stock) need_build=1 ;; *) need_build= ;; esac
+        if [ -n "$need_build" ]; then
             for _ in $(seq 600); do [ -f "$SH/build.done" ] && break; pgrep -f "kernels build" >/dev/null || break; sleep 1; done
             [ -f "$SH/build.done" ] || { echo "kernels build failed:"; tail -n 20 "$SH/logs/build.log"; exit 1; }
         fi
         args=(--port "$p" --served-model-name "$n"
               --profiler-config "{\"profiler\": \"torch\", \"torch_profiler_dir\": \"$SH/prof/$n\", \"torch_profiler_with_stack\": false, \"ignore_frontend\": true, \"delay_iterations\": 8, \"max_iterations\": 12}")
-        # A generated checkpoint (the `weights` step) replaces the recipe's dummy weights.
-        [ -f "$model/model.safetensors.index.json" ] && args+=(--load-format auto)
+        m=$(model_of "$n")
+        [ -f "$m/model.safetensors.index.json" ] || case $n in v4*)
+            echo "$n: no checkpoint in $m (v4release / v4convert first)"; exit 1 ;; esac
+        # A generated checkpoint (the `weights` step) replaces the V3 recipe's dummy weights.
+        [ "$m" = "$model" ] && [ -f "$m/model.safetensors.index.json" ] && args+=(--load-format auto)
         envs=(VLLM_H20_STRICT=1)
         case $n in
-            stock) envs+=(VLLM_H20_MOE_DISPATCH=stock) ;;
+            stock|v4stock) envs+=(VLLM_H20_MOE_DISPATCH=stock) ;;
             triton) args+=(--moe-backend triton) ;;
             deepgemm) args+=(--moe-backend deep_gemm) ;;
         esac
-        env "${envs[@]}" setsid vllm-h20 serve "$recipe" --model "$model" -- "${args[@]}" \
+        env "${envs[@]}" setsid vllm-h20 serve "$(recipe_of "$n")" --model "$m" -- "${args[@]}" \
             > "$SH/logs/$n.log" 2>&1 < /dev/null &
         echo "$n: started on port $p"
     done
@@ -139,6 +159,33 @@ profile)
         python3 benchmarks/serve_h200/probe.py profile --out "$SH/check" --trace-dir "$SH/prof/$n" "$n=$(port "$n")" || exit 1
     done
     ;;
+v4release)
+    if [ ! -f "$V4REL/model.safetensors.index.json" ]; then
+        rm -rf "$V4REL"
+        s0=$(date +%s)
+        vllm-h20 synth "$V4REL" --preset "${V4PRESET:-v4-h200}" --layout v4 --shards 3 || exit 1
+        # GuideLLM sizes prompts with the model's tokenizer: a byte-level BPE, not synth's stub.
+        python3 -c "import sys; sys.path.insert(0, 'benchmarks/serve_h200'); from pathlib import Path; \
+from make_model import write_tokenizer; write_tokenizer(Path('$V4REL'))" || exit 1
+        echo "synth: $(( $(date +%s) - s0 )) s" | tee "$SH/logs/v4-release.txt"
+    fi
+    du -sh "$V4REL"; df -h /dev/shm "$SH" | tail -n 2
+    ;;
+v4convert)
+    mkdir -p "$SH/v4"
+    if [ ! -f "$V4FP8/model.safetensors.index.json" ]; then
+        s0=$(date +%s)
+        vllm-h20 convert "$V4REL" "$V4FP8" --resume || exit 1
+        echo "convert: $(( $(date +%s) - s0 )) s" | tee "$SH/logs/v4-convert.txt"
+        cp "$V4FP8"/*report*.json "$SH/logs/" 2>/dev/null
+    fi
+    s0=$(date +%s)
+    vllm-h20 verify "$V4REL" "$V4FP8" > "$SH/logs/v4-verify.txt" 2>&1
+    rc=$?
+    echo "verify: rc $rc, $(( $(date +%s) - s0 )) s" | tee -a "$SH/logs/v4-convert.txt"
+    tail -n 5 "$SH/logs/v4-verify.txt"
+    du -sh "$V4FP8"; df -h "$SH" | tail -n 1
+    ;;
 v4probe)
     # Issue 4/4's first look, in the background while nothing is measured: does vLLM 0.26 run
     # a small DeepSeek-V4 (dummy weights) here, with MXFP4 and with FP8 experts?
@@ -156,7 +203,8 @@ sweep)
     targets=(); for n in "$@"; do targets+=(--target "$n=http://127.0.0.1:$(port "$n")"); done
     name=$(basename "$spec" .yaml)${TAG:+-$TAG}   # TAG: another set of targets, same spec
     resume=(); [ -d "$SH/runs/$name" ] && resume=(--resume)
-    vllm-h20 bench sweep "$spec" "${targets[@]}" --tokenizer "$model" --out "$SH/runs/$name" "${resume[@]}"
+    vllm-h20 bench sweep "$spec" "${targets[@]}" --tokenizer "$(model_of "$1")" \
+        --out "$SH/runs/$name" "${resume[@]}"
     ;;
 stop)
     # The server is a session leader (setsid): end its whole process group, engine core too.

@@ -49,31 +49,45 @@ def piece_bytes(tree: int) -> int:
     return room << 20
 
 
-def requirements() -> list[str]:
-    lines = (HERE / "wheels.txt").read_text().splitlines()
+def requirements(extra: list[Path] = ()) -> list[str]:
+    """wheels.txt plus any --extra lists (the V4 journey's), comments dropped."""
+    lines = [ln for f in (HERE / "wheels.txt", *extra) for ln in f.read_text().splitlines()]
     return [x.strip() for x in lines if x.strip() and not x.startswith("#")]
 
 
-def download(dest: Path) -> None:
+def download(dest: Path, extra: list[Path] = ()) -> None:
     dest.mkdir(parents=True, exist_ok=True)
     plat = [a for p in PLATFORMS for a in ("--platform", p)]
     cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
            "--python-version", "3.12", "--implementation", "cp", *plat, "-d", str(dest),
-           *requirements()]  # fmt: skip
+           *requirements(extra)]  # fmt: skip
     subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+
+
+def _norm(name: str) -> str:
+    return name.lower().replace("-", "_").replace(".", "_")
+
+
+def _wanted(wheel: str, reqs: list[str]) -> bool:
+    """Whether a downloaded wheel is one the lists pin (.stage/wheels may hold others)."""
+    dist, version = wheel.split("-")[:2]
+    return any(_norm(r.split("==")[0]) == _norm(dist) and r.split("==")[-1] == version
+               for r in reqs if "==" in r)  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--stage", type=Path, default=REPO / ".stage")
     ap.add_argument("--layers", type=int, default=None, help="model layers (make_model.py)")
+    ap.add_argument("--extra", type=Path, action="append", default=[],
+                    help="another wheel list (benchmarks/journey_h200/wheels.txt)")  # fmt: skip
     ap.add_argument("--piece-mib", type=int, default=None,
                     help="piece size (default: what fits beside the working tree)")  # fmt: skip
     a = ap.parse_args(argv)
     piece = a.piece_mib << 20 if a.piece_mib else piece_bytes(tree_bytes())
     st = a.stage
     wheels, boot = st / "wheels", st / "boot"
-    download(wheels)
+    download(wheels, a.extra)
     shutil.rmtree(boot, ignore_errors=True)
     boot.mkdir(parents=True)
     for w in wheels.glob("*.whl"):
@@ -86,7 +100,8 @@ def main(argv: list[str] | None = None) -> None:
     extra = ["--layers", str(a.layers)] if a.layers else []
     subprocess.run([sys.executable, str(HERE / "make_model.py"), str(model), *extra], check=True)
 
-    rest = sorted(w for w in wheels.glob("*.whl") if not w.name.startswith(BOOT))
+    rest = sorted(w for w in wheels.glob("*.whl") if not w.name.startswith(BOOT)
+                  and _wanted(w.name, requirements(a.extra)))  # fmt: skip
     bundle = st / "bundle.tar"
     with tarfile.open(bundle, "w") as t:
         for w in rest:

@@ -119,6 +119,42 @@ def test_stage_keeps_what_kernels_build_needs_in_the_boot_tar():
     assert {"flashinfer-python", "apache-tvm-ffi"} <= {r.split("==")[0] for r in reqs}
 
 
+def test_stage_sizes_pieces_beside_the_working_tree_and_keeps_only_pinned_wheels():
+    assert stage.piece_bytes(10 << 20) == 52 << 20  # 64 MiB - tree - 2 MiB margin
+    with pytest.raises(SystemExit, match="no room left"):
+        stage.piece_bytes(58 << 20)
+    journey = ROOT / "benchmarks" / "journey_h200" / "wheels.txt"
+    reqs = stage.requirements([journey])
+    assert "humming-kernels==0.1.10" in reqs and "tilelang==0.1.9" in reqs
+    assert len(reqs) == len({r.split("==")[0] for r in reqs})
+    assert stage._wanted("humming_kernels-0.1.10-py3-none-any.whl", reqs)
+    assert not stage._wanted("humming_kernels-0.1.10-py3-none-any.whl", stage.requirements())
+    assert not stage._wanted("vllm-0.25.0-cp38-abi3-manylinux_2_28_x86_64.whl", reqs)
+
+
+def test_device_script_v4_steps_synthesize_convert_and_verify(tmp_path):
+    """`h200.sh v4release` + `v4convert` on the tiny preset: our CLI end to end as the GPU
+    machine runs it (synth, the BPE tokenizer, convert, verify), without a GPU."""
+    pytest.importorskip("tokenizers")
+    env = {"SH": str(tmp_path / "sh"), "V4REL": str(tmp_path / "release"), "V4PRESET": "tiny",
+           "PATH": f"{Path(sys.executable).parent}:/usr/bin:/bin", "HOME": str(tmp_path),
+           "PYTHONPATH": str(ROOT)}  # fmt: skip
+    for step in ("v4release", "v4convert"):
+        res = subprocess.run(["bash", str(HERE / "h200.sh"), step], capture_output=True,
+                             text=True, env=env, timeout=600)  # fmt: skip
+        assert res.returncode == 0, res.stdout + res.stderr
+    logs = tmp_path / "sh" / "logs"
+    assert "verify: rc 0" in (logs / "v4-convert.txt").read_text()
+    assert (logs / "conversion_report.json").exists()
+    tok = json.loads((tmp_path / "release" / "tokenizer.json").read_text())
+    assert tok["model"]["type"] == "BPE"
+    conv = tmp_path / "sh" / "v4" / "converted"
+    assert json.loads((conv / "config.json").read_text())["expert_dtype"] == "fp8"
+    assert (conv / "tokenizer.json").read_bytes() == (
+        tmp_path / "release" / "tokenizer.json"
+    ).read_bytes()
+
+
 def _captures(routes: list[list[list[int]]], prompt: int) -> list:
     """Requests whose generated tokens went to routes[req][step] (one layer), after `prompt`
     prompt tokens routed to expert 0."""

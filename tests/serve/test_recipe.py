@@ -19,6 +19,8 @@ def test_shipped_recipes_load_by_name_with_lines():
         "deepseek-v41-flash-fp8-tp8ep8",
         "deepseek-v41-flash-humming-w4a8-tp8",
         "test-h200-dsv3-fp8-flashinfer-cutlass",
+        "test-h200-dsv4-fp8-flashinfer-cutlass",
+        "test-h200-dsv4-mxfp4-humming",
     }
 
 

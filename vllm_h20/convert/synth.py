@@ -103,6 +103,23 @@ PRESETS: dict[str, ModelShape] = {
     # (+ E8M0 scales) is what makes the release total the seed's 475.24 GiB, everything else
     # being sized from the published shapes (ENGRAM_ROWS_FROM_SEED below reproduces it).
     "flash": ModelShape(engram_rows=95_981_714),
+    # The user journey on one H200 (--layout v4, benchmarks/journey_h200/): V4.1-Flash's MoE
+    # shapes with V4's attention, 3 layers (hash-routed, ratio 4, ratio 128), a 1,024-token
+    # vocabulary: 21.6 GB released, 41 GB converted, both served side by side.
+    "v4-h200": ModelShape(
+        layers=3,
+        vocab=1024,
+        q_lora=1024,
+        head_dim=512,
+        heads=64,
+        o_groups=8,
+        o_lora=1024,
+        index_heads=64,
+        index_head_dim=128,
+        engram_layers=(),
+        mtp_layers=0,
+        vision_layers=0,
+    ),
 }
 
 
