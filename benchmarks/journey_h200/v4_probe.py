@@ -9,6 +9,7 @@ and attention kernels it chose (its log), and a few greedy tokens, or the error 
 
     python benchmarks/journey_h200/v4_probe.py --write-configs   # here, after synth changes
     python benchmarks/journey_h200/v4_probe.py OUT --expert-dtype fp4 [--moe-backend auto]
+    python benchmarks/journey_h200/v4_probe.py OUT --expert-dtype fp8 --model CONVERTED_DIR
 """
 
 from __future__ import annotations
@@ -44,22 +45,29 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("out", type=Path)
     ap.add_argument("--expert-dtype", choices=("fp4", "fp8"), required=True)
     ap.add_argument("--moe-backend", default="auto")
+    ap.add_argument("--model", type=Path, default=None,
+                    help="a checkpoint to load instead of dummy weights (vLLM 0.26 cannot "
+                    "run V4 from dummy weights: its mHC broadcast weights stay unset)")  # fmt: skip
     a = ap.parse_args(argv)
-    tag = f"{a.expert_dtype}-{a.moe_backend}"
-    model = a.out / f"model-{a.expert_dtype}"
-    model.mkdir(parents=True, exist_ok=True)
-    (model / "config.json").write_text((CONFIGS / f"v4-{a.expert_dtype}.json").read_text())
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "serve_h200"))
-    from make_model import write_tokenizer
+    tag = f"{a.expert_dtype}-{a.moe_backend}" + ("-ckpt" if a.model else "")
+    a.out.mkdir(parents=True, exist_ok=True)
+    if a.model:
+        model, load_format = a.model, "auto"
+    else:
+        model, load_format = a.out / f"model-{a.expert_dtype}", "dummy"
+        model.mkdir(parents=True, exist_ok=True)
+        (model / "config.json").write_text((CONFIGS / f"v4-{a.expert_dtype}.json").read_text())
+        sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "serve_h200"))
+        from make_model import write_tokenizer
 
-    write_tokenizer(model)
+        write_tokenizer(model)
     result: dict = {"expert_dtype": a.expert_dtype, "moe_backend": a.moe_backend}
     t0 = time.time()
     try:
         os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
         from vllm import LLM, SamplingParams
 
-        llm = LLM(model=str(model), load_format="dummy", enforce_eager=True,
+        llm = LLM(model=str(model), load_format=load_format, enforce_eager=True,
                   max_model_len=1024, max_num_seqs=8, gpu_memory_utilization=0.2,
                   kv_cache_memory_bytes=1 << 30, kv_cache_dtype="fp8",
                   moe_backend=a.moe_backend)  # fmt: skip
