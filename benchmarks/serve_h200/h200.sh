@@ -189,13 +189,16 @@ v4convert)
 v4probe)
     # Issue 4/4's first look, in the background while nothing is measured: does vLLM 0.26 run
     # a small DeepSeek-V4 (dummy weights) here, with MXFP4 and with FP8 experts?
-    pgrep -f v4_probe.py >/dev/null && { echo "v4 probe: running"; exit 0; }
+    # A pid file, not pgrep -f: a caller's own command line may name the probe.
+    [ -f "$SH/v4probe.pid" ] && kill -0 "$(cat "$SH/v4probe.pid")" 2>/dev/null \
+        && { echo "v4 probe: running"; exit 0; }
     setsid bash -c "python3 benchmarks/journey_h200/v4_probe.py $SH/check/v4 --expert-dtype fp4 \
             > $SH/logs/v4-fp4.log 2>&1; python3 benchmarks/journey_h200/v4_probe.py $SH/check/v4 \
             --expert-dtype fp8 --moe-backend flashinfer_cutlass > $SH/logs/v4-fp8.log 2>&1; \
             python3 benchmarks/journey_h200/v4_probe.py $SH/check/v4 --expert-dtype fp4 \
             --moe-backend humming > $SH/logs/v4-fp4-humming.log 2>&1" \
         < /dev/null > /dev/null 2>&1 &
+    echo $! > "$SH/v4probe.pid"
     echo "v4 probe: started"
     ;;
 sweep)
