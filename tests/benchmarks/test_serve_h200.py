@@ -205,12 +205,14 @@ def test_kernels_are_summed_by_name_from_a_trace(tmp_path):
 
 
 def test_kernel_classes_name_the_dispatch_that_ran():
-    prof = json.loads((RESULTS / "check" / "profile_fix.json").read_text())
+    prof = json.loads((RESULTS / "round1-dummy-weights" / "check" / "profile_fix.json").read_text())
     names = [k["name"] for k in report.moe_kernels(prof)]
     assert names and all(report.kernel_class(n) == "MoE GEMM: DeepGEMM swap-A/B" for n in names)
     short = report._short(names[0])
     assert "BLOCK_N=16" in short and "groups=384" in short
-    stock = json.loads((RESULTS / "check" / "profile_stock.json").read_text())
+    stock = json.loads(
+        (RESULTS / "round1-dummy-weights" / "check" / "profile_stock.json").read_text()
+    )
     assert {report.kernel_class(k["name"]) for k in report.moe_kernels(stock)} == {
         "MoE GEMM: DeepGEMM regular"
     }
