@@ -14,6 +14,7 @@
 #   h200.sh wait NAME...    wait until each answers /health (or died: its log tail)
 #   h200.sh check           correctness (fix vs stock), decode-step routing, profiles of both
 #   h200.sh profile NAME... a torch-profiler kernel table of a few decode steps at c128
+#   h200.sh warm NAME...    the sweeps' batch shapes once, each wave timed (before sweeping)
 #   h200.sh sweep SPEC NAME...   vllm-h20 bench sweep (resumes) into $SH/runs/SPEC[-$TAG]
 #   h200.sh v4probe         background: vLLM 0.26 on a small DeepSeek-V4 (benchmarks/journey_h200)
 #   h200.sh v4release       issue 4/4: a synthetic DeepSeek-V4 release (vllm-h20 synth --preset
@@ -27,7 +28,7 @@
 #
 # .stage/ comes from benchmarks/serve_h200/stage.py on a machine with network.
 set -uo pipefail
-step=${1:?boot|take|install|weights|serve|wait|check|profile|v4release|v4convert|v4probe|sweep|stop|collect}; shift
+step=${1:?boot|take|install|weights|serve|wait|check|warm|profile|v4release|v4convert|v4probe|sweep|stop|collect}; shift
 cd "$(dirname "$0")/../.."
 repo=$PWD
 SH=${SH:-/tmp/serve_h200}
@@ -153,6 +154,12 @@ check)
     python3 benchmarks/serve_h200/probe.py compare --out "$SH/check" fix=8001 stock=8002 || exit 1
     python3 benchmarks/serve_h200/probe.py routing --out "$SH/check" fix=8001 || exit 1
     bash "$repo/benchmarks/serve_h200/h200.sh" profile fix stock || exit 1
+    ;;
+warm)
+    # The sweeps' batch shapes once per server, timed per wave (check/warm.json): kernels
+    # compiled on the request path show here, and stay out of the sweeps' windows.
+    specs=(); for n in "$@"; do specs+=("$n=$(port "$n")"); done
+    python3 benchmarks/serve_h200/probe.py warm --out "$SH/check" "${specs[@]}"
     ;;
 profile)
     for n in "$@"; do

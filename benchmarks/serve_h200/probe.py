@@ -248,6 +248,36 @@ def cmd_profile(a) -> None:
         print(f"  {k['total_us'] / total:6.1%} {k['calls']:6d}x  {k['name'][:110]}")
 
 
+# The batch shapes the sweeps meet: (concurrency, prompt words, new tokens); the first waves
+# mix prefill chunks with decode, as a sweep's first seconds do.
+WAVES = [(64, 40, 16), (128, 40, 16), (256, 40, 16), (4, 700, 1), (16, 700, 1), (64, 40, 16)]
+
+
+def cmd_warm(a) -> None:
+    """Send the sweeps' batch shapes once, untimed by any sweep, and time each wave: a server
+    that compiles kernels on the request path shows it here (its first waves take seconds
+    longer than the repeat of the first wave at the end), and the sweeps then measure serving,
+    not compilation."""
+    rows = []
+    for name, port in _servers(a.servers):
+        for w, (conc, words, new) in enumerate(WAVES):
+            t0 = time.time()
+            prompts = [_words(5000 + 1000 * w + i, words) for i in range(conc)]
+            with ThreadPoolExecutor(conc) as ex:
+                kw = {"max_tokens": new, "temperature": 0.7, "ignore_eos": True}
+                futs = [ex.submit(complete, name, port, text, seed=i, **kw)
+                        for i, text in enumerate(prompts)]  # fmt: skip
+                for f in futs:
+                    f.result()
+            rows.append({"server": name, "wave": w, "concurrency": conc, "prompt_words": words,
+                         "max_tokens": new, "seconds": round(time.time() - t0, 2)})  # fmt: skip
+            print(f"{name}: wave {w} c{conc} {words} words -> {new} tokens: "
+                  f"{rows[-1]['seconds']:.2f} s", flush=True)  # fmt: skip
+    out = Path(a.out, "warm.json")
+    prev = json.loads(out.read_text()) if out.exists() else []
+    out.write_text(json.dumps(prev + rows, indent=1))
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -268,11 +298,15 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--tokens", type=int, default=1500)
     p.add_argument("--settle-s", type=float, default=3.0)
     p.add_argument("--window-s", type=float, default=2.0)
-    for s in (c, r, p):
+    w = sub.add_parser("warm")
+    w.add_argument("servers", nargs="+", metavar="NAME=PORT")
+    for s in (c, r, p, w):
         s.add_argument("--out", required=True, type=Path)
     a = ap.parse_args(argv)
     a.out.mkdir(parents=True, exist_ok=True)
-    {"compare": cmd_compare, "routing": cmd_routing, "profile": cmd_profile}[a.cmd](a)
+    cmds = {"compare": cmd_compare, "routing": cmd_routing, "profile": cmd_profile,
+            "warm": cmd_warm}  # fmt: skip
+    cmds[a.cmd](a)
 
 
 if __name__ == "__main__":

@@ -301,3 +301,25 @@ def test_serve_goes_on_without_a_plan_for_a_v3_checkpoint(tmp_path):
         refused.stderr
     )
     assert "Traceback" not in refused.stderr
+
+
+def test_warm_sends_and_times_every_wave(tmp_path, monkeypatch):
+    """`probe.py warm` against GuideLLM's mock server: each wave's requests complete and its
+    time is recorded, appended across calls (one call per server set)."""
+    import importlib.util
+
+    pytest.importorskip("guidellm")
+    conftest = ROOT / "tests" / "bench" / "conftest.py"
+    spec = importlib.util.spec_from_file_location("bench_conftest_mock", conftest)
+    mocks = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mocks)
+    srv = mocks.MockServer(tmp_path, "tiny-model", "--ttft-ms", "1", "--itl-ms", "0")
+    try:
+        monkeypatch.setattr(probe, "WAVES", [(2, 5, 2), (3, 40, 1)])
+        for _ in range(2):
+            probe.main(["warm", "--out", str(tmp_path), f"tiny-model={srv.port}"])
+    finally:
+        srv.stop()
+    rows = json.loads((tmp_path / "warm.json").read_text())
+    assert [(r["wave"], r["concurrency"]) for r in rows] == [(0, 2), (1, 3)] * 2
+    assert all(r["server"] == "tiny-model" and r["seconds"] >= 0 for r in rows)
