@@ -18,8 +18,8 @@
 #   h200.sh sweep SPEC NAME...   vllm-h20 bench sweep (resumes) into $SH/runs/SPEC[-$TAG]
 #   h200.sh v4probe         background: vLLM 0.26 on a small DeepSeek-V4 (benchmarks/journey_h200)
 #   h200.sh v4release       issue 4/4: a synthetic DeepSeek-V4 release (vllm-h20 synth --preset
-#                           v4-h200 --layout v4; 21.6 GB in $V4REL, default /dev/shm: the disk
-#                           holds the conversion) with this folder's byte-level tokenizer
+#                           v4-h200 --layout v4; 21.6 GB in $V4REL: /dev/shm if it has room, the
+#                           disk holds the conversion) with this folder's byte-level tokenizer
 #   h200.sh v4convert       vllm-h20 convert + verify it into $SH/v4/converted (timed)
 #                           servers v4hum (8011: the release on Humming), v4fix (8012: the
 #                           conversion, FlashInfer CUTLASS + fix), v4stock (8013: same, stock)
@@ -48,7 +48,12 @@ export VLLM_DISABLED_KERNELS=FlashInferFp8DeepGEMMDynamicBlockScaledKernel,DeepG
 export VLLM_DEEP_GEMM_WARMUP=skip
 model=$SH/stage/model
 recipe=$repo/recipes/test-h200-dsv3-fp8-flashinfer-cutlass.yaml
-V4REL=${V4REL:-/dev/shm/v4-release}
+# The synthetic release lives in RAM when /dev/shm has room (the 64 GB disk then holds the
+# 41 GB conversion beside the V3 checkpoint's absence), else beside the conversion.
+if [ -z "${V4REL:-}" ]; then
+    shm_free=$(df --output=avail -B1 /dev/shm 2>/dev/null | tail -n 1 | tr -d ' ')
+    if [ "${shm_free:-0}" -gt $((30 << 30)) ]; then V4REL=/dev/shm/v4-release; else V4REL=$SH/v4/release; fi
+fi
 V4FP8=$SH/v4/converted
 
 port() { case $1 in fix) echo 8001 ;; stock) echo 8002 ;; triton) echo 8003 ;; deepgemm) echo 8004 ;;
@@ -192,6 +197,7 @@ v4convert)
     echo "verify: rc $rc, $(( $(date +%s) - s0 )) s" | tee -a "$SH/logs/v4-convert.txt"
     tail -n 5 "$SH/logs/v4-verify.txt"
     du -sh "$V4FP8"; df -h "$SH" | tail -n 1
+    exit $rc
     ;;
 v4probe)
     # Issue 4/4's first look, in the background while nothing is measured: does vLLM 0.26 run
