@@ -12,7 +12,8 @@
 #   h200.sh serve NAME...   start servers: fix (port 8001), stock (8002), triton (8003),
 #                           deepgemm (8004: vLLM's DeepGEMM MoE, its vendored deep_gemm)
 #   h200.sh wait NAME...    wait until each answers /health (or died: its log tail)
-#   h200.sh check           correctness (fix vs stock), decode-step routing, profiles of both
+#   h200.sh check [A B]     correctness (A vs B, default fix stock), each one's decode-step
+#                           routing and profile
 #   h200.sh profile NAME... a torch-profiler kernel table of a few decode steps at c128
 #   h200.sh warm NAME...    the sweeps' batch shapes once, each wave timed (before sweeping)
 #   h200.sh sweep SPEC NAME...   vllm-h20 bench sweep (resumes) into $SH/runs/SPEC[-$TAG]
@@ -156,9 +157,15 @@ wait)
     done
     ;;
 check)
-    python3 benchmarks/serve_h200/probe.py compare --out "$SH/check" fix=8001 stock=8002 || exit 1
-    python3 benchmarks/serve_h200/probe.py routing --out "$SH/check" fix=8001 || exit 1
-    bash "$repo/benchmarks/serve_h200/h200.sh" profile fix stock || exit 1
+    # Two servers (default: fix stock; the journey: v4hum v4fix): greedy comparison, then each
+    # one's decode-step routing and kernel profile.
+    a=${1:-fix}; b=${2:-stock}
+    python3 benchmarks/serve_h200/probe.py compare --out "$SH/check" "$a=$(port "$a")" \
+        "$b=$(port "$b")" || exit 1
+    for n in "$a" "$b"; do
+        python3 benchmarks/serve_h200/probe.py routing --out "$SH/check" "$n=$(port "$n")" || exit 1
+    done
+    bash "$repo/benchmarks/serve_h200/h200.sh" profile "$a" "$b" || exit 1
     ;;
 warm)
     # The sweeps' batch shapes once per server, timed per wave (check/warm.json): kernels

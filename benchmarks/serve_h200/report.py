@@ -25,7 +25,10 @@ _NOISE = re.compile(r"POST /v1/|GET /metrics|GET /health|GET /v1/models|POST /(s
 # The profiler's schedule in h200.sh: 12 engine iterations after 8 skipped.
 PROFILED_STEPS = 12
 # The servers h200.sh starts, in the order the summary lists them.
-SERVERS = ("fix", "stock", "triton", "deepgemm")
+# The journey's (benchmarks/journey_h200/): the release on Humming, the conversion with and
+# without the fix.
+SERVERS = ("fix", "stock", "triton", "deepgemm", "v4hum", "v4fix", "v4stock")
+TITLE = "Serving on one H200: stock vs per-expert (vLLM 0.26.0, FlashInfer CUTLASS MoE)"
 
 
 def kernel_class(name: str) -> str:
@@ -73,9 +76,9 @@ def _short(name: str) -> str:
             f"stages={stages} ({m.group(3)}{rows})")  # fmt: skip
 
 
-def summary(root: Path, reports: dict[str, Path]) -> str:
+def summary(root: Path, reports: dict[str, Path], title: str = TITLE) -> str:
     chk = root / "check"
-    lines = ["# Serving on one H200: stock vs per-expert (vLLM 0.26.0, FlashInfer CUTLASS MoE)", ""]
+    lines = [f"# {title}", ""]
     logs = {n: root / "logs" / f"{n}.log" for n in SERVERS}
     lines += ["## What each server loaded (its own log lines)", ""]
     for n, p in logs.items():
@@ -88,7 +91,7 @@ def summary(root: Path, reports: dict[str, Path]) -> str:
         lines.append(f"- **{n}** (MoE backend {backend.group(1) if backend else '?'}):")
         lines += [f"  - `{x[:300]}`" for x in dict.fromkeys(picked)]
     lines.append("")
-    order = ("stock", "fix", "triton", "deepgemm")  # the baseline first
+    order = ("stock", "fix", "triton", "deepgemm", "v4hum", "v4stock", "v4fix")  # baseline first
     found = [n for n in order if (chk / f"profile_{n}.json").exists()]
     profs = {n: json.loads((chk / f"profile_{n}.json").read_text()) for n in found}
     if profs:
@@ -137,10 +140,10 @@ def summary(root: Path, reports: dict[str, Path]) -> str:
                 "not that the two paths agree on a model with real logits."
             )
         lines.append("")
-    rt = chk / "routing_fix.json"
-    if rt.exists():
+    for rt in sorted(chk.glob("routing_*.json")):
         r = json.loads(rt.read_text())
-        lines += ["## Routing in single decode steps (vLLM's routed-experts capture)", ""]
+        who = "" if rt.stem == "routing_fix" else f", {rt.stem.removeprefix('routing_')}"
+        lines += [f"## Routing in single decode steps (vLLM's routed-experts capture{who})", ""]
         for t in r["tiers"]:
             moe = t.get("varied_layers", t.get("moe_layers"))
             lines.append(f"- c{t['concurrency']}: {t['rows_per_step']} routed rows per step "
@@ -170,6 +173,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("tarball", type=Path)
     ap.add_argument("out", type=Path)
     ap.add_argument("--baseline", default="stock")
+    ap.add_argument("--title", default=TITLE, help="the summary's heading (the journey's own)")
     a = ap.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
@@ -194,7 +198,7 @@ def main(argv: list[str] | None = None) -> None:
                    "--baseline", a.baseline, "--out", spec]  # fmt: skip
             subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, cwd=a.out)
             reports[spec] = a.out / spec
-    (a.out / "summary.md").write_text(summary(a.out, reports))
+    (a.out / "summary.md").write_text(summary(a.out, reports, a.title))
     print(f"wrote {a.out}/summary.md")
 
 
