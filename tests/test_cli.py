@@ -40,6 +40,15 @@ def test_help_lists_commands():
         assert c in out
 
 
+def test_synth_offers_every_preset():
+    """The CLI lists presets by hand (it imports no numpy at start): it must name them all."""
+    from vllm_h20.cli import synth
+    from vllm_h20.convert.synth import PRESETS
+
+    choice = next(p for p in synth.params if p.name == "preset").type
+    assert sorted(choice.choices) == sorted(PRESETS)
+
+
 def test_demo_runs_and_verifies():
     p = cli("demo", check_code=0)
     assert "verify: OK" in p.stdout

@@ -203,11 +203,13 @@ _spread_opt = click.option(
 @click.argument("dst", type=click.Path(path_type=Path))
 @click.option(
     "--preset",
-    type=click.Choice(["tiny", "bench", "flash"]),
+    type=click.Choice(["tiny", "bench", "flash", "v4-h200"]),
     default="tiny",
     show_default=True,
     help="Shapes: tiny (tests), bench (~2.3 GiB, real matrix "
-    "shapes), flash (the full published V4.1-Flash shapes; use with --sparse).",
+    "shapes), flash (the full published V4.1-Flash shapes; use with --sparse), v4-h200 "
+    "(with --layout v4: V4.1-Flash's experts, V4's attention, 3 layers, 21.6 GB; the "
+    "one-H200 journey).",
 )
 @click.option("--layers", type=int, default=None, help="Override the number of layers.")
 @click.option("--experts", type=int, default=None, help="Override routed experts per layer.")

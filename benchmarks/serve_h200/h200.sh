@@ -137,7 +137,8 @@ serve)
             triton) args+=(--moe-backend triton) ;;
             deepgemm) args+=(--moe-backend deep_gemm) ;;
         esac
-        env "${envs[@]}" setsid vllm-h20 serve "$(recipe_of "$n")" --model "$m" -- "${args[@]}" \
+        env "${envs[@]}" setsid vllm-h20 serve "$(recipe_of "$n")" --model "$m" --gpu h200 \
+            -- "${args[@]}" \
             > "$SH/logs/$n.log" 2>&1 < /dev/null &
         echo "$n: started on port $p"
     done

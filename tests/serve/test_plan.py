@@ -113,3 +113,17 @@ def test_full_size_flash_checkpoint_matches_the_seed(tmp_path_factory):
     assert p.slots_per_rank == {"main": 50, "draft": 16}
     assert p.weights_total / GIB == pytest.approx(70.94, rel=0.05)
     assert p.fits and p.kv_tokens > 262144
+
+
+def test_fixed_kv_cache_is_planned_against_the_whole_gpu(tiny_fp8):
+    """With kv-cache-memory-bytes vLLM skips its memory profile and ignores the utilization
+    share: the plan checks weights + overheads + that KV cache against the GPU's memory."""
+    kv = 2 * GIB
+    p = _plan(tiny_fp8, gpu_memory_utilization=0.05, kv_cache_memory_bytes=kv)
+    assert p.kv_fixed and p.budget == plan.GPUS["h200"] and p.kv_bytes == kv
+    assert p.fits and p.kv_tokens == int(kv / plan.Overheads().kv_bytes_per_token)
+    small = plan.plan(recipe.load("deepseek-v41-flash-fp8-tp8ep8"),
+                      BASE | {"kv_cache_memory_bytes": kv}, tiny_fp8, "10")  # fmt: skip
+    assert not small.fits and "kv-cache-memory-bytes 2.00 GiB exceed 10.00 GiB" in small.why
+    sized = _plan(tiny_fp8, cudagraph_capture_sizes=[1, 8, 384])
+    assert sized.overheads["CUDA graphs"] == pytest.approx(p.overheads["CUDA graphs"] / 2)

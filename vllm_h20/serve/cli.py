@@ -83,7 +83,8 @@ def _print_plan(p, contexts=(8192, 32768, 131072)) -> None:
     t.add_row("[bold]weights[/]", f"[bold]{p.weights_total / GIB:10.2f} GiB[/]")
     for k, v in p.overheads.items():
         t.add_row(k, f"{v / GIB:10.2f} GiB")
-    t.add_row("budget (gpu-memory-utilization)", f"{p.budget / GIB:10.2f} GiB")
+    source = "GPU memory: kv-cache-memory-bytes set" if p.kv_fixed else "gpu-memory-utilization"
+    t.add_row(f"budget ({source})", f"{p.budget / GIB:10.2f} GiB")
     t.add_row(
         "[bold]KV cache[/]", f"[bold]{p.kv_bytes / GIB:10.2f} GiB[/] = {p.kv_tokens:,} tokens"
     )

@@ -67,6 +67,7 @@ class RankPlan:
     overheads: dict[str, float] = field(default_factory=dict)
     budget: int = 0
     kv_bytes: int = 0
+    kv_fixed: bool = False  # kv-cache-memory-bytes set: the budget is the whole GPU
     kv_tokens: int = 0
     max_model_len: int = 0
     fits: bool = False
@@ -175,7 +176,8 @@ def plan(
             )
         else:
             w["Engram tables (TP)"] += shard
-    capture = int(parsed.get("max_cudagraph_capture_size") or 768)
+    sizes = parsed.get("cudagraph_capture_sizes") or []
+    capture = int(max(sizes) if sizes else parsed.get("max_cudagraph_capture_size") or 768)
     over = {
         "non-torch": ov.non_torch_gib * GIB,
         "activation peak": ov.activation_peak_gib * GIB,
@@ -194,14 +196,26 @@ def plan(
         max_model_len=int(parsed.get("max_model_len") or 0),
     )
     util = float(parsed.get("gpu_memory_utilization") or 0.9)
-    p.budget = int(total * util)
-    p.kv_bytes = int(p.budget - p.weights_total - sum(over.values()))
+    fixed_kv = int(parsed.get("kv_cache_memory_bytes") or 0)
+    if fixed_kv:
+        # vLLM then sizes the KV cache from this alone and skips its memory profile: the
+        # utilization share no longer bounds anything, the GPU's memory does.
+        p.kv_fixed = True
+        p.budget = total
+        p.kv_bytes = fixed_kv
+        short = p.weights_total + sum(over.values()) + fixed_kv - total
+    else:
+        p.budget = int(total * util)
+        p.kv_bytes = int(p.budget - p.weights_total - sum(over.values()))
+        short = -p.kv_bytes
     p.kv_tokens = max(0, int(p.kv_bytes / ov.kv_bytes_per_token))
-    if p.kv_bytes <= 0:
+    if short > 0:
+        limit = f"{total / GIB:.2f} GiB" if fixed_kv else f"{util:g} x {total / GIB:.2f} GiB"
+        kv = f" + kv-cache-memory-bytes {fixed_kv / GIB:.2f} GiB" if fixed_kv else ""
         p.why = (
             f"weights {p.weights_total / GIB:.2f} GiB + overheads "
-            f"{sum(over.values()) / GIB:.2f} GiB exceed {util:g} x {total / GIB:.2f} GiB "
-            f"by {-p.kv_bytes / GIB:.2f} GiB per GPU"
+            f"{sum(over.values()) / GIB:.2f} GiB{kv} exceed {limit} by {short / GIB:.2f} GiB "
+            "per GPU"
         )
     elif p.max_model_len and p.kv_tokens < p.max_model_len:
         p.why = (

@@ -84,6 +84,8 @@ def main(path: str) -> None:
         "max_model_len": args.max_model_len,
         "block_size": args.block_size,
         "max_cudagraph_capture_size": get(args, "max_cudagraph_capture_size"),
+        "cudagraph_capture_sizes": get(args, "cudagraph_capture_sizes"),
+        "kv_cache_memory_bytes": get(args, "kv_cache_memory_bytes"),
         "engram_cpu_offload": get(args, "engram_config", "cpu_offload"),
         "engram_use_thp": get(args, "engram_config", "use_thp"),
         "moe_backend": get(args, "moe_backend"),
