@@ -3,19 +3,17 @@ our synth and converter write today."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
+
+from tests.benchmarks import load_script
 
 ROOT = Path(__file__).resolve().parents[2]
 HERE = ROOT / "benchmarks" / "journey_h200"
 
 
 def _load(name: str):
-    spec = importlib.util.spec_from_file_location(f"journey_h200_{name}", HERE / f"{name}.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script(HERE / f"{name}.py", f"journey_h200_{name}")
 
 
 def test_probe_configs_match_synth_and_convert():

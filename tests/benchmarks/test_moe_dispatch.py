@@ -19,15 +19,11 @@ sys.path.insert(0, str(HERE))
 
 import cases  # noqa: E402
 
+from tests.benchmarks import load_script  # noqa: E402
+
 
 def _run_py():
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("moe_dispatch_run", HERE / "run.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script(HERE / "run.py", "moe_dispatch_run")
 
 
 def test_calibration_hooks_apply_to_the_patched_sources(tmp_path):

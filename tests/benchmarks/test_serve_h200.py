@@ -14,28 +14,19 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from tests.benchmarks import load_script
+
 ROOT = Path(__file__).resolve().parents[2]
 HERE = ROOT / "benchmarks" / "serve_h200"
 RESULTS = ROOT / "benchmarks" / "results" / "serve_h200"
 RECIPE = ROOT / "recipes" / "test-h200-dsv3-fp8-flashinfer-cutlass.yaml"
 
 
-def _load(name: str):
-    """benchmarks/serve_h200/NAME.py under a name of its own: other benchmark folders have a
-    stage.py and a report.py too, and sys.modules keeps the first one imported."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location(f"serve_h200_{name}", HERE / f"{name}.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod
-    spec.loader.exec_module(mod)
-    return mod
-
-
-make_model = _load("make_model")
-probe = _load("probe")
-report = _load("report")
-stage = _load("stage")
+# Under names of their own (other benchmark folders have a stage.py and a report.py too).
+make_model, probe, report, stage = (
+    load_script(HERE / f"{n}.py", f"serve_h200_{n}")
+    for n in ("make_model", "probe", "report", "stage")
+)
 
 
 def cli(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
@@ -306,14 +297,10 @@ def test_serve_goes_on_without_a_plan_for_a_v3_checkpoint(tmp_path):
 def test_warm_sends_and_times_every_wave(tmp_path, monkeypatch):
     """`probe.py warm` against GuideLLM's mock server: each wave's requests complete and its
     time is recorded, appended across calls (one call per server set)."""
-    import importlib.util
-
     pytest.importorskip("guidellm")
-    conftest = ROOT / "tests" / "bench" / "conftest.py"
-    spec = importlib.util.spec_from_file_location("bench_conftest_mock", conftest)
-    mocks = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mocks)
-    srv = mocks.MockServer(tmp_path, "tiny-model", "--ttft-ms", "1", "--itl-ms", "0")
+    from tests.bench.conftest import MockServer
+
+    srv = MockServer(tmp_path, "tiny-model", "--ttft-ms", "1", "--itl-ms", "0")
     try:
         monkeypatch.setattr(probe, "WAVES", [(2, 5, 2), (3, 40, 1)])
         for _ in range(2):

@@ -24,12 +24,20 @@ def test_shipped_recipes_are_valid(path):
     assert res.parsed["engram_cpu_offload"] is True
 
 
-def test_the_one_h200_test_recipe_is_valid():
-    """benchmarks/serve_h200's recipe: one GPU, FlashInfer CUTLASS MoE, random weights."""
-    res = check.check(recipe.load(ROOT / "recipes" / "test-h200-dsv3-fp8-flashinfer-cutlass.yaml"))
+@pytest.mark.parametrize(
+    "name, backend",
+    [
+        ("test-h200-dsv3-fp8-flashinfer-cutlass", "flashinfer_cutlass"),
+        ("test-h200-dsv4-fp8-flashinfer-cutlass", "flashinfer_cutlass"),
+        ("test-h200-dsv4-mxfp4-humming", "humming"),
+    ],
+)
+def test_the_one_h200_test_recipes_are_valid(name, backend):
+    """benchmarks/serve_h200's and journey_h200's recipes: one GPU, the MoE path each tests."""
+    res = check.check(recipe.load(ROOT / "recipes" / f"{name}.yaml"))
     assert res.vllm == "0.33.0"
     assert res.parsed["tensor_parallel_size"] == 1 and not res.parsed["enable_expert_parallel"]
-    assert res.parsed["moe_backend"] == "flashinfer_cutlass"
+    assert res.parsed["moe_backend"] == backend
 
 
 @pytest.mark.parametrize(
