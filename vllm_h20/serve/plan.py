@@ -204,18 +204,17 @@ def plan(
         p.budget = total
         p.kv_bytes = fixed_kv
         short = p.weights_total + sum(over.values()) + fixed_kv - total
+        needs = f" + kv-cache-memory-bytes {fixed_kv / GIB:.2f} GiB exceed {total / GIB:.2f} GiB"
     else:
         p.budget = int(total * util)
         p.kv_bytes = int(p.budget - p.weights_total - sum(over.values()))
         short = -p.kv_bytes
+        needs = f" exceed {util:g} x {total / GIB:.2f} GiB"
     p.kv_tokens = max(0, int(p.kv_bytes / ov.kv_bytes_per_token))
     if short > 0:
-        limit = f"{total / GIB:.2f} GiB" if fixed_kv else f"{util:g} x {total / GIB:.2f} GiB"
-        kv = f" + kv-cache-memory-bytes {fixed_kv / GIB:.2f} GiB" if fixed_kv else ""
         p.why = (
             f"weights {p.weights_total / GIB:.2f} GiB + overheads "
-            f"{sum(over.values()) / GIB:.2f} GiB{kv} exceed {limit} by {short / GIB:.2f} GiB "
-            "per GPU"
+            f"{sum(over.values()) / GIB:.2f} GiB{needs} by {short / GIB:.2f} GiB per GPU"
         )
     elif p.max_model_len and p.kv_tokens < p.max_model_len:
         p.why = (
