@@ -51,6 +51,9 @@ def piece_bytes(tree: int) -> int:
 
 def requirements(extra: list[Path] = ()) -> list[str]:
     """wheels.txt plus any --extra lists (the V4 journey's), comments dropped."""
+    for f in extra:
+        if not f.is_file():
+            raise SystemExit(f"--extra {f}: no such wheel list (one `name==version` a line)")
     lines = [ln for f in (HERE / "wheels.txt", *extra) for ln in f.read_text().splitlines()]
     return [x.strip() for x in lines if x.strip() and not x.startswith("#")]
 

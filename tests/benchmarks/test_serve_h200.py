@@ -121,6 +121,8 @@ def test_stage_sizes_pieces_beside_the_working_tree_and_keeps_only_pinned_wheels
     assert stage._wanted("humming_kernels-0.1.10-py3-none-any.whl", reqs)
     assert not stage._wanted("humming_kernels-0.1.10-py3-none-any.whl", stage.requirements())
     assert not stage._wanted("vllm-0.25.0-cp38-abi3-manylinux_2_28_x86_64.whl", reqs)
+    with pytest.raises(SystemExit, match="--extra nope.txt: no such wheel list"):
+        stage.requirements([Path("nope.txt")])
 
 
 def test_device_script_v4_steps_synthesize_convert_and_verify(tmp_path):
