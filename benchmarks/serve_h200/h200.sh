@@ -14,6 +14,7 @@
 #   h200.sh wait NAME...    wait until each answers /health (or died: its log tail)
 #   h200.sh check [A B]     correctness (A vs B, default fix stock), each one's decode-step
 #                           routing and profile
+#   h200.sh compare A B     greedy tokens and first-token logprobs of A vs B (check/compare_A-B.json)
 #   h200.sh profile NAME... a torch-profiler kernel table of a few decode steps at c128
 #   h200.sh warm NAME...    the sweeps' batch shapes once, each wave timed (before sweeping)
 #   h200.sh sweep SPEC NAME...   vllm-h20 bench sweep (resumes) into $SH/runs/SPEC[-$TAG]
@@ -29,7 +30,7 @@
 #
 # .stage/ comes from benchmarks/serve_h200/stage.py on a machine with network.
 set -uo pipefail
-step=${1:?boot|take|install|weights|serve|wait|check|warm|profile|v4release|v4convert|v4probe|sweep|stop|collect}; shift
+step=${1:?boot|take|install|weights|serve|wait|check|compare|warm|profile|v4release|v4convert|v4probe|sweep|stop|collect}; shift
 cd "$(dirname "$0")/../.."
 repo=$PWD
 SH=${SH:-/tmp/serve_h200}
@@ -161,12 +162,16 @@ check)
     # Two servers (default: fix stock; the journey: v4hum v4fix): greedy comparison, then each
     # one's decode-step routing and kernel profile.
     a=${1:-fix}; b=${2:-stock}
-    python3 benchmarks/serve_h200/probe.py compare --out "$SH/check" "$a=$(port "$a")" \
-        "$b=$(port "$b")" || exit 1
+    bash "$repo/benchmarks/serve_h200/h200.sh" compare "$a" "$b" || exit 1
     for n in "$a" "$b"; do
         python3 benchmarks/serve_h200/probe.py routing --out "$SH/check" "$n=$(port "$n")" || exit 1
     done
     bash "$repo/benchmarks/serve_h200/h200.sh" profile "$a" "$b" || exit 1
+    ;;
+compare)
+    a=${1:?server}; b=${2:?server}
+    python3 benchmarks/serve_h200/probe.py compare --out "$SH/check" "$a=$(port "$a")" \
+        "$b=$(port "$b")"
     ;;
 warm)
     # The sweeps' batch shapes once per server, timed per wave (check/warm.json): kernels

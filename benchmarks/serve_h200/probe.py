@@ -93,7 +93,9 @@ def cmd_compare(a) -> None:
               f"prefix {prefix}")  # fmt: skip
     out = {"servers": [na, nb], "max_tokens": GREEDY_TOKENS, "top_logprobs": TOP_LOGPROBS,
            "temperature": 0, "rows": rows}  # fmt: skip
-    Path(a.out, "compare.json").write_text(json.dumps(out, indent=1))
+    # One file per pair: fix vs stock is the A/B, fix vs another MoE path states how far
+    # two kernels' rounding moves the same model.
+    Path(a.out, f"compare_{na}-{nb}.json").write_text(json.dumps(out, indent=1))
 
 
 def _words(i: int, n: int) -> str:

@@ -39,7 +39,10 @@ def kernel_class(name: str) -> str:
         return "MoE GEMM: DeepGEMM regular"
     if name.startswith("fused_moe_kernel"):
         return "MoE GEMM: Triton fused_moe"
-    moe = ("Moe", "moe_", "expandInputRows", "scale_1x128", "doActivation", "moe::")
+    if "deep_gemm::sm90_fp8_gemm" in name:  # vLLM's vendored DeepGEMM (--moe-backend deep_gemm)
+        return "MoE GEMM: vLLM DeepGEMM grouped"
+    moe = ("Moe", "moe_", "expandInputRows", "scale_1x128", "doActivation", "moe::",
+           "ep_scatter", "ep_gather", "silu_mul", "act_and_mul")  # fmt: skip
     if any(m in name for m in moe):
         return "MoE other (routing, permute, act quant, finalize)"
     if "cutlass_3x_gemm_fp8_blockwise" in name:
@@ -117,8 +120,9 @@ def summary(root: Path, reports: dict[str, Path], title: str = TITLE) -> str:
                 lines.append(f"- {n}: {k['calls']}x, {k['total_us'] / k['calls']:.1f} us per "
                              f"call: `{_short(k['name'])}`")  # fmt: skip
         lines.append("")
-    if (chk / "compare.json").exists():
-        c = json.loads((chk / "compare.json").read_text())
+    # compare.json: round 2's single pair; compare_A-B.json: one per pair since round 3.
+    for cp in sorted(chk.glob("compare*.json")):
+        c = json.loads(cp.read_text())
         a, b = c["servers"]
         rows = c["rows"]
         same = sum(r["identical_tokens"] for r in rows)
