@@ -6,8 +6,9 @@
 #                           both reduced modules (fix + stock) in the background
 #   h200.sh take            move carried .stage/piece-* into $SH/pieces (one per device call)
 #   h200.sh install         join the pieces, install vLLM 0.26.0 + its wheels into $SITE
-#   h200.sh weights         round 2: generate a random checkpoint with real magnitudes into the
-#                           model directory (LAYERS=4: 1 dense + 3 MoE, ~41 GB; on the GPU);
+#   h200.sh weights         generate a random checkpoint with real magnitudes into the
+#                           model directory (LAYERS=4: 1 dense + 3 MoE, ~41 GB, two servers;
+#                           LAYERS=3: ~27 GB, four servers side by side; on the GPU);
 #                           servers then load it instead of --load-format dummy
 #   h200.sh serve NAME...   start servers: fix (port 8001), stock (8002), triton (8003),
 #                           deepgemm (8004: vLLM's DeepGEMM MoE, its vendored deep_gemm)

@@ -93,6 +93,9 @@ def summary(root: Path, reports: dict[str, Path], title: str = TITLE) -> str:
         backend = re.search(r"Using (\w+) Fp8 MoE backend", text)
         lines.append(f"- **{n}** (MoE backend {backend.group(1) if backend else '?'}):")
         lines += [f"  - `{x[:300]}`" for x in dict.fromkeys(picked)]
+        if backend and backend.group(1) != "FLASHINFER_CUTLASS":
+            lines.append("  - the plugin is loaded, but this MoE backend never calls FlashInfer's "
+                         "fused MoE: neither dispatch applies")  # fmt: skip
     lines.append("")
     order = ("stock", "fix", "triton", "deepgemm", "v4hum", "v4stock", "v4fix")  # baseline first
     found = [n for n in order if (chk / f"profile_{n}.json").exists()]
@@ -114,6 +117,9 @@ def summary(root: Path, reports: dict[str, Path], title: str = TITLE) -> str:
         lines.append("| **all kernels** | " + " | ".join(
             f"**{p['kernel_us_total'] / PROFILED_STEPS / 1e3:.3f} ms**" for p in profs.values()
         ) + " |")  # fmt: skip
+        ran = [n for n in SERVERS if logs[n].exists()]
+        if missing := [n for n in ran if n not in profs]:
+            lines += ["", f"No profile from {', '.join(missing)} (see the README for why)."]
         lines += ["", "MoE GEMM kernels that ran (per call = per MoE layer and step):", ""]
         for n, p in profs.items():
             for k in moe_kernels(p):

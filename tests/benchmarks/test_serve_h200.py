@@ -312,3 +312,21 @@ def test_warm_sends_and_times_every_wave(tmp_path, monkeypatch):
     rows = json.loads((tmp_path / "warm.json").read_text())
     assert [(r["wave"], r["concurrency"]) for r in rows] == [(0, 2), (1, 3)] * 2
     assert all(r["server"] == "tiny-model" and r["seconds"] >= 0 for r in rows)
+    assert all(r["error"] is None for r in rows)
+
+
+def test_warm_records_a_failed_wave_and_goes_on(tmp_path, monkeypatch):
+    """A wave the server does not answer (here: nothing listens) is written with its error,
+    the next waves still run, and the probe ends with one line and a non-zero exit."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # free once closed: nothing listens there
+    monkeypatch.setattr(probe, "WAVES", [(2, 5, 2), (1, 5, 1)])
+    with pytest.raises(SystemExit) as exc:
+        probe.main(["warm", "--out", str(tmp_path), f"gone={port}"])
+    assert "2 wave(s) failed (gone wave 0, gone wave 1)" in str(exc.value)
+    rows = json.loads((tmp_path / "warm.json").read_text())
+    assert [r["wave"] for r in rows] == [0, 1]
+    assert all("Connection refused" in r["error"] for r in rows)
