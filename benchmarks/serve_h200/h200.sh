@@ -14,7 +14,7 @@
 #                           deepgemm (8004: vLLM's DeepGEMM MoE, its vendored deep_gemm)
 #   h200.sh wait NAME...    wait until each answers /health (or died: its log tail)
 #   h200.sh check [A B]     correctness (A vs B, default fix stock), each one's decode-step
-#                           routing and profile
+#                           routing, a warm-up, and each one's profile
 #   h200.sh compare A B     greedy tokens and first-token logprobs of A vs B (check/compare_A-B.json)
 #   h200.sh profile NAME... a torch-profiler kernel table of a few decode steps at c128
 #   h200.sh warm NAME...    the sweeps' batch shapes once, each wave timed (before sweeping)
@@ -167,6 +167,9 @@ check)
     for n in "$a" "$b"; do
         python3 benchmarks/serve_h200/probe.py routing --out "$SH/check" "$n=$(port "$n")" || exit 1
     done
+    # Kernels compiled on the request path would fill the profile window (round 3 lost the
+    # fix's profile that way): the sweeps' shapes once first.
+    bash "$repo/benchmarks/serve_h200/h200.sh" warm "$a" "$b"
     bash "$repo/benchmarks/serve_h200/h200.sh" profile "$a" "$b" || exit 1
     ;;
 compare)

@@ -23,7 +23,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from vllm_h20.moe import build, overlay
+from vllm_h20.moe import overlay, precompile
 
 ROOT = Path(__file__).resolve().parents[2]
 KERNEL_CUH = (
@@ -74,14 +74,10 @@ def generated(overlay_csrc, installed_fi, tmp_path_factory) -> dict[str, str]:
     nvcc = _nvcc()
     work = tmp_path_factory.mktemp("gen")
     (work / "gen.cu").write_text(GEN)
-    nv = overlay_csrc / "nv_internal"
-    extra = build.find_cublas_include(build.find_cuda_home())  # nvrtc.h, when not in the toolkit
-    common = [nv / "cpp" / "common" / f"{n}.cpp" for n in
-              ("logger", "stringUtils", "tllmException", "envUtils")]  # fmt: skip
-    cmd = [nvcc, "-std=c++17", "--expt-relaxed-constexpr", f"-I{nv}", f"-I{nv / 'include'}",
-           f"-I{installed_fi.root / 'include'}", f"-I{installed_fi.root}",
-           *(["-isystem", extra] if extra else []), str(work / "gen.cu"), *map(str, common),
-           "-o", str(work / "gen"), "-Xlinker", "--unresolved-symbols=ignore-all"]  # fmt: skip
+    flags, common = precompile._host_includes(overlay_csrc, installed_fi.root)
+    cmd = [nvcc, "-std=c++17", "--expt-relaxed-constexpr", *flags, str(work / "gen.cu"),
+           *map(str, common), "-o", str(work / "gen"), "-Xlinker",
+           "--unresolved-symbols=ignore-all"]  # fmt: skip
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     out = {}
@@ -95,16 +91,12 @@ def generated(overlay_csrc, installed_fi, tmp_path_factory) -> dict[str, str]:
 
 
 def _compile(source: str, include: Path, tmp_path: Path, name: str):
-    """DeepGEMM's own nvcc flags (compiler.cuh) for one generated kernel."""
+    """DeepGEMM's own nvcc flags (compiler.cuh; vllm_h20.moe.precompile keeps the copy that
+    `kernels precompile` uses) for one generated kernel."""
     src = tmp_path / f"{name}.cu"
     src.write_text(source)
-    extra = build.find_cublas_include(build.find_cuda_home())
-    cmd = [_nvcc(), str(src), "-o", str(tmp_path / f"{name}.cubin"), "-std=c++17",
-           "--gpu-architecture=sm_90a", "-O3", "-cubin", "--expt-relaxed-constexpr",
-           "--expt-extended-lambda", "--diag-suppress=161,174,177,940",
-           "-D__FORCE_INCLUDE_CUDA_FP16_HPP_FROM_FP16_H__=1",
-           "-D__FORCE_INCLUDE_CUDA_BF16_HPP_FROM_BF16_H__=1", f"-I{include}",
-           *(["-isystem", extra] if extra else [])]  # fmt: skip
+    cmd = [_nvcc(), str(src), "-o", str(tmp_path / f"{name}.cubin"), *precompile.NVCC_FLAGS,
+           f"-I{include}"]  # fmt: skip
     return subprocess.run(cmd, capture_output=True, text=True, timeout=600)
 
 

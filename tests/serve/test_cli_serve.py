@@ -57,3 +57,32 @@ def test_dockerfile_passes_hadolint():
     text = (ROOT / "Dockerfile").read_text()
     assert "FROM vllm/vllm-openai:v0.33.0" in text
     assert "vllm-h20 kernels build" in text and 'ENTRYPOINT ["vllm-h20", "serve"]' in text
+
+
+@pytest.mark.vllm
+def test_serve_precompiles_the_fixs_kernels_first(tmp_path, monkeypatch):
+    """`serve` plans (here: --dry-run lists) the fix's DeepGEMM kernels before vLLM starts, for
+    the recipe's MoE backend, EP size and GPU; the stock dispatch and --no-precompile skip it,
+    the first with one line saying why."""
+    pytest.importorskip("vllm")
+    if shutil.which("nvcc") is None:
+        pytest.skip("nvcc is not on PATH")
+    model = tmp_path / "model"
+    model.mkdir()
+    cfg = {"hidden_size": 5120, "moe_intermediate_size": 2304, "n_routed_experts": 384,
+           "num_experts_per_tok": 6}  # fmt: skip
+    (model / "config.json").write_text(json.dumps(cfg))
+    monkeypatch.setenv("VLLM_H20_CACHE_DIR", str(tmp_path / "c"))
+    monkeypatch.setenv("TRTLLM_DG_CACHE_DIR", str(tmp_path / "dg"))
+    args = ["serve", "test-h200-dsv3-fp8-flashinfer-cutlass", "--model", str(model), "--gpu",
+            "h200", "--dry-run"]  # fmt: skip
+    r = cli(*args)
+    assert r.returncode == 0, r.stderr
+    assert "58 DeepGEMM kernels for the fix (0 already in" in r.stderr
+    monkeypatch.setenv("VLLM_H20_MOE_DISPATCH", "stock")
+    r = cli(*args)
+    assert r.returncode == 0 and "precompile: skipped: " in r.stdout, r.stdout + r.stderr
+    monkeypatch.delenv("VLLM_H20_MOE_DISPATCH")
+    r = cli(*args, "--no-precompile")
+    assert r.returncode == 0 and "DeepGEMM" not in r.stderr + r.stdout
+    assert not (tmp_path / "dg").exists()

@@ -332,6 +332,59 @@ def _build_full(b, jobs, variant, log, dry_run, console, env, clean) -> None:
     console.print(f"built {plan.library} in {time.monotonic() - t0:.0f} s")
 
 
+@kernels.command()
+@click.argument("model", type=click.Path(path_type=Path, exists=True, file_okay=False))
+@click.option(
+    "--ep-size", type=click.IntRange(min=1), default=1, show_default=True,
+    help="Expert-parallel ranks the experts are spread over (the recipes: 8).",
+)  # fmt: skip
+@click.option(
+    "--max-num-batched-tokens", type=click.IntRange(min=1), default=8192, show_default=True,
+    help="The most tokens one MoE call sees: vLLM's --max-num-batched-tokens (8192 is its "
+    "default for `vllm serve` on these GPUs), times the DP size with data-parallel attention.",
+)  # fmt: skip
+@click.option(
+    "--num-sms", type=click.IntRange(min=1), default=None,
+    help="The GPU's SM count (78: H20, 132: H100/H200). Default: the visible GPU's.",
+)  # fmt: skip
+@click.option("-j", "--jobs", type=click.IntRange(min=1), default=None,
+              help="Parallel nvcc jobs. Default: the CPU count.")  # fmt: skip
+@click.option("--dry-run", is_flag=True, help="List the kernels and what is cached; compile none.")
+@click.option("--json", "as_json", is_flag=True, help="Print the result as JSON on stdout.")
+def precompile(model: Path, ep_size: int, max_num_batched_tokens: int, num_sms: int | None,
+               jobs: int | None, dry_run: bool, as_json: bool) -> None:  # fmt: skip
+    """Compile every DeepGEMM kernel the fix can launch for MODEL, before serving it.
+
+    The per-expert dispatch picks its kernels from each step's token count, and DeepGEMM
+    compiles a kernel the first time it is launched (seconds each, with the engine waiting).
+    This compiles the whole set for MODEL's MoE shapes (config.json), --ep-size,
+    --num-sms and every step size up to --max-num-batched-tokens, in parallel, into the cache
+    DeepGEMM reads ($TRTLLM_DG_CACHE_DIR, else ~/.tensorrt_llm). Kernels already there are
+    kept; a cut run loses nothing. Runs on the GPU machine or, with --num-sms, any machine
+    with nvcc whose cache directory the servers will use. Exit 1 if a kernel failed."""
+    from . import precompile as pc
+
+    try:
+        shape = pc.shape_from_config(model / "config.json", ep_size)
+        if num_sms is None:
+            if not _has_gpu():
+                raise pc.PrecompileError(
+                    "no GPU visible: pass --num-sms (78 for H20, 132 for H100/H200)"
+                )
+            import torch
+
+            num_sms = torch.cuda.get_device_properties(0).multi_processor_count
+        result = pc.run(shape, num_sms, max_num_batched_tokens, jobs, make_console(stderr=True),
+                        dry_run=dry_run)  # fmt: skip
+    except (pc.PrecompileError, dispatch.DispatchConfigError, PatchError, OSError) as e:
+        _fail(str(e))
+    result = {"model": str(model)} | result
+    if as_json:
+        click.echo(json.dumps(result, indent=2))
+    if not dry_run and result["failed"]:
+        sys.exit(EXIT_CHECK_FAILED)
+
+
 def _has_gpu() -> bool:
     try:
         import torch

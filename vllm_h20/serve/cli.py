@@ -131,6 +131,41 @@ def _last_flag(argv: list[str], flag: str) -> str | None:
     return value
 
 
+# SMs per GPU name of --gpu: the fix's kernel choice depends on it (H20's 78 SMs: threshold 64).
+_SMS = {"h20-96g": 78, "h20-141g": 78, "h200": 132, "h100": 132}
+
+
+def _precompile_fix(r, parsed: dict, model: Path, gpu: str, extra: list[str], dry_run: bool):
+    """Compile the fix's DeepGEMM kernels for this model and recipe before vLLM starts; any
+    reason not to (another MoE backend, the stock dispatch, no nvcc) is one line, never fatal:
+    the kernels then compile at run time, as without vllm-h20."""
+    from ..moe import dispatch
+    from ..moe import precompile as pc
+    from ..moe.patchfile import PatchError
+
+    backend = _last_flag(extra, "--moe-backend") or r.flags.get("moe-backend")
+    if backend != "flashinfer_cutlass":
+        return  # the fix is FlashInfer CUTLASS's kernel choice; other backends never run it
+    tokens = _last_flag(extra, "--max-num-batched-tokens") or parsed.get("max_num_batched_tokens")
+    tp = int(parsed.get("tensor_parallel_size") or 1)
+    dp = int(parsed.get("data_parallel_size") or 1)
+    ep = tp * dp if parsed.get("enable_expert_parallel") else 1
+    redundant = int(parsed.get("num_redundant_experts") or 0) if parsed.get("enable_eplb") else 0
+    try:
+        decision = dispatch.decide()
+        if not decision.per_expert:
+            raise pc.PrecompileError(decision.message.split(": ", 1)[-1])
+        sms = _SMS.get(gpu)
+        if sms is None:
+            raise pc.PrecompileError(f"--gpu {gpu}: SM count unknown (use a GPU name)")
+        shape = pc.shape_from_config(model / "config.json", ep, redundant)
+        # With data-parallel attention the MoE layer sees every DP rank's step at once.
+        rows = int(tokens or 8192) * (dp if ep > 1 else 1)
+        pc.run(shape, sms, rows, None, make_console(stderr=True), dry_run=dry_run)
+    except (pc.PrecompileError, dispatch.DispatchConfigError, PatchError, OSError) as e:
+        click.echo(f"precompile: skipped: {e} (DeepGEMM compiles the kernels at run time)")
+
+
 @click.command(context_settings={"ignore_unknown_options": True})
 @click.argument("file")
 @click.option("--model", type=click.Path(path_type=Path), default=None,
@@ -138,8 +173,13 @@ def _last_flag(argv: list[str], flag: str) -> str | None:
 @_gpu_opt
 @click.option("--dry-run", is_flag=True, help="Check and plan, print the command, run nothing.")
 @click.option("--force", is_flag=True, help="Start even when the plan says it will not fit.")
+@click.option(
+    "--precompile/--no-precompile", default=True, show_default=True,
+    help="Before starting vLLM, compile the DeepGEMM kernels the fix can launch for this model "
+    "and recipe (`vllm-h20 kernels precompile`), so that no request waits for one.",
+)  # fmt: skip
 @click.argument("extra", nargs=-1, type=click.UNPROCESSED)
-def serve(file, model, gpu, dry_run, force, extra) -> None:
+def serve(file, model, gpu, dry_run, force, precompile, extra) -> None:
     """Check the recipe, plan memory, then exec `vllm serve MODEL --config FILE [EXTRA...]`
     with the vllm-h20 plugin active (it is a vLLM general plugin: installed = active).
 
@@ -172,6 +212,8 @@ def serve(file, model, gpu, dry_run, force, extra) -> None:
         if not p.fits and not force:
             _fail(f"will not fit: {p.why} (see the plan above; --force starts anyway)",
                   EXIT_CHECK_FAILED)  # fmt: skip
+    if precompile:
+        _precompile_fix(r, res.parsed, model, gpu, list(extra), dry_run)
     vllm = shutil.which("vllm")
     argv = [vllm or "vllm", "serve", str(model), "--config", str(r.path), *extra]
     click.echo("$ " + shlex.join(argv))
