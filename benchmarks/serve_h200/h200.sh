@@ -24,6 +24,9 @@
 #                           v4-h200 --layout v4; 21.6 GB in $V4REL: /dev/shm if it has room, the
 #                           disk holds the conversion) with this folder's byte-level tokenizer
 #   h200.sh v4convert       vllm-h20 convert + verify it into $SH/v4/converted (timed)
+#   h200.sh v4prep          v4release + v4convert in the background (right after boot: they
+#                           need only boot's wheels), logged to logs/v4prep.log; `serve v4*`
+#                           waits for it
 #                           servers v4hum (8011: the release on Humming), v4fix (8012: the
 #                           conversion, FlashInfer CUTLASS + fix), v4stock (8013: same, stock)
 #   h200.sh stop NAME       stop a server
@@ -31,7 +34,7 @@
 #
 # .stage/ comes from benchmarks/serve_h200/stage.py on a machine with network.
 set -uo pipefail
-step=${1:?boot|take|install|weights|serve|wait|check|compare|warm|profile|v4release|v4convert|v4probe|sweep|stop|collect}; shift
+step=${1:?boot|take|install|weights|serve|wait|check|compare|warm|profile|v4release|v4convert|v4prep|v4probe|sweep|stop|collect}; shift
 cd "$(dirname "$0")/../.."
 repo=$PWD
 SH=${SH:-/tmp/serve_h200}
@@ -53,9 +56,16 @@ model=$SH/stage/model
 recipe=$repo/recipes/test-h200-dsv3-fp8-flashinfer-cutlass.yaml
 # The synthetic release lives in RAM when /dev/shm has room (the 64 GB disk then holds the
 # 41 GB conversion beside the V3 checkpoint's absence), else beside the conversion.
+# Decided once and remembered: the release itself fills /dev/shm, so a later step would
+# otherwise decide differently.
 if [ -z "${V4REL:-}" ]; then
-    shm_free=$(df --output=avail -B1 /dev/shm 2>/dev/null | tail -n 1 | tr -d ' ')
-    if [ "${shm_free:-0}" -gt $((30 << 30)) ]; then V4REL=/dev/shm/v4-release; else V4REL=$SH/v4/release; fi
+    if [ -f "$SH/v4rel.path" ]; then
+        V4REL=$(cat "$SH/v4rel.path")
+    else
+        shm_free=$(df --output=avail -B1 /dev/shm 2>/dev/null | tail -n 1 | tr -d ' ')
+        if [ "${shm_free:-0}" -gt $((30 << 30)) ]; then V4REL=/dev/shm/v4-release; else V4REL=$SH/v4/release; fi
+        echo "$V4REL" > "$SH/v4rel.path"
+    fi
 fi
 V4FP8=$SH/v4/converted
 
@@ -129,6 +139,12 @@ serve)
         args=(--port "$p" --served-model-name "$n"
               --profiler-config "{\"profiler\": \"torch\", \"torch_profiler_dir\": \"$SH/prof/$n\", \"torch_profiler_with_stack\": false, \"ignore_frontend\": true, \"delay_iterations\": 8, \"max_iterations\": 12}")
         m=$(model_of "$n")
+        case $n in v4*)  # the checkpoints may still be in the making (v4prep)
+            for _ in $(seq 540); do
+                [ -f "$SH/v4prep.pid" ] && kill -0 "$(cat "$SH/v4prep.pid")" 2>/dev/null || break
+                sleep 1
+            done ;;
+        esac
         [ -f "$m/model.safetensors.index.json" ] || case $n in v4*)
             echo "$n: no checkpoint in $m (v4release / v4convert first)"; exit 1 ;; esac
         # A generated checkpoint (the `weights` step) replaces the V3 recipe's dummy weights.
@@ -215,6 +231,20 @@ v4convert)
     tail -n 5 "$SH/logs/v4-verify.txt"
     du -sh "$V4FP8"; df -h "$SH" | tail -n 1
     exit $rc
+    ;;
+v4prep)
+    # A pid file, not pgrep -f: a caller's own command line may name the step.
+    [ -f "$SH/v4prep.pid" ] && kill -0 "$(cat "$SH/v4prep.pid")" 2>/dev/null \
+        && { echo "v4prep: running"; tail -n 2 "$SH/logs/v4prep.log"; exit 0; }
+    if [ -f "$V4FP8/model.safetensors.index.json" ]; then
+        echo "v4prep: done"; cat "$SH/logs/v4-release.txt" "$SH/logs/v4-convert.txt" 2>/dev/null
+        exit 0
+    fi
+    setsid bash -c "bash $repo/benchmarks/serve_h200/h200.sh v4release && \
+        bash $repo/benchmarks/serve_h200/h200.sh v4convert" \
+        < /dev/null > "$SH/logs/v4prep.log" 2>&1 &
+    echo $! > "$SH/v4prep.pid"
+    echo "v4prep: started (logs/v4prep.log)"
     ;;
 v4probe)
     # Issue 4/4's first look, in the background while nothing is measured: does vLLM 0.26 run

@@ -25,7 +25,9 @@ REPO = HERE.parents[1]
 PLATFORMS = ["manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_17_x86_64",
              "manylinux2014_x86_64", "manylinux1_x86_64", "manylinux_2_24_x86_64",
              "manylinux_2_31_x86_64", "manylinux_2_34_x86_64", "manylinux_2_35_x86_64"]  # fmt: skip
-BOOT = ("flashinfer_python-", "apache_tvm_ffi-")  # what `kernels build` needs besides torch
+# What `kernels build` needs besides torch, and ml_dtypes, the one dependency of `synth` and
+# `convert` the GPU image lacks: the V4 journey then prepares its checkpoints right after boot.
+BOOT = ("flashinfer_python-", "apache_tvm_ffi-", "ml_dtypes-")
 CARRY_LIMIT = 64 << 20  # the device tool's limit per call: working tree + carried paths
 MARGIN = 2 << 20
 

@@ -9,6 +9,7 @@ import json
 import subprocess
 import sys
 import tarfile
+import time
 from pathlib import Path
 
 import numpy as np
@@ -126,17 +127,26 @@ def test_stage_sizes_pieces_beside_the_working_tree_and_keeps_only_pinned_wheels
 
 
 def test_device_script_v4_steps_synthesize_convert_and_verify(tmp_path):
-    """`h200.sh v4release` + `v4convert` on the tiny preset: our CLI end to end as the GPU
-    machine runs it (synth, the BPE tokenizer, convert, verify), without a GPU."""
+    """`h200.sh v4prep` (v4release + v4convert in the background) on the tiny preset: our CLI
+    end to end as the GPU machine runs it (synth, the BPE tokenizer, convert, verify), without
+    a GPU; asked again while it runs it reports, once done it says so."""
     pytest.importorskip("tokenizers")
     env = {"SH": str(tmp_path / "sh"), "V4REL": str(tmp_path / "release"), "V4PRESET": "tiny",
            "PATH": f"{Path(sys.executable).parent}:/usr/bin:/bin", "HOME": str(tmp_path),
            "PYTHONPATH": str(ROOT)}  # fmt: skip
-    for step in ("v4release", "v4convert"):
-        res = subprocess.run(["bash", str(HERE / "h200.sh"), step], capture_output=True,
-                             text=True, env=env, timeout=600)  # fmt: skip
+
+    def prep() -> str:
+        res = subprocess.run(["bash", str(HERE / "h200.sh"), "v4prep"], capture_output=True,
+                             text=True, env=env, timeout=60)  # fmt: skip
         assert res.returncode == 0, res.stdout + res.stderr
+        return res.stdout
+
+    assert prep().startswith("v4prep: started")
+    deadline = time.time() + 600
+    while (out := prep()).startswith("v4prep: running") and time.time() < deadline:
+        time.sleep(2)
     logs = tmp_path / "sh" / "logs"
+    assert out.startswith("v4prep: done"), out + (logs / "v4prep.log").read_text()
     assert "verify: rc 0" in (logs / "v4-convert.txt").read_text()
     assert (logs / "conversion_report.json").exists()
     tok = json.loads((tmp_path / "release" / "tokenizer.json").read_text())
@@ -330,3 +340,17 @@ def test_warm_records_a_failed_wave_and_goes_on(tmp_path, monkeypatch):
     rows = json.loads((tmp_path / "warm.json").read_text())
     assert [r["wave"] for r in rows] == [0, 1]
     assert all("Connection refused" in r["error"] for r in rows)
+
+
+def test_device_script_remembers_where_the_v4_release_went(tmp_path):
+    """The release's place (/dev/shm or the disk) is decided once: the release itself fills
+    /dev/shm, so a later step deciding again could look in the other place."""
+    env = {"SH": str(tmp_path), "PATH": "/usr/bin:/bin"}
+    script = HERE / "h200.sh"
+    subprocess.run(["bash", str(script), "wait"], capture_output=True, env=env)
+    chosen = (tmp_path / "v4rel.path").read_text().strip()
+    assert chosen in ("/dev/shm/v4-release", f"{tmp_path}/v4/release")
+    (tmp_path / "v4rel.path").write_text(f"{tmp_path}/elsewhere\n")
+    res = subprocess.run(["bash", str(script), "serve", "v4hum"], capture_output=True,
+                         text=True, env=env, timeout=60)  # fmt: skip
+    assert res.returncode == 1 and f"v4hum: no checkpoint in {tmp_path}/elsewhere" in res.stdout
