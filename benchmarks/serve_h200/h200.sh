@@ -80,6 +80,9 @@ recipe_of() { case $1 in
     v4fix|v4stock) echo "$repo/recipes/test-h200-dsv4-fp8-flashinfer-cutlass.yaml" ;;
     *) echo "$recipe" ;; esac; }
 healthy() { curl -sf -m 2 "localhost:$(port "$1")/health" >/dev/null; }
+# Whether a background step (v4prep, v4probe) still runs: its pid file, not pgrep -f, since a
+# caller's own command line may name the step.
+running() { [ -f "$SH/$1.pid" ] && kill -0 "$(cat "$SH/$1.pid")" 2>/dev/null; }
 
 case $step in
 boot)
@@ -140,10 +143,7 @@ serve)
               --profiler-config "{\"profiler\": \"torch\", \"torch_profiler_dir\": \"$SH/prof/$n\", \"torch_profiler_with_stack\": false, \"ignore_frontend\": true, \"delay_iterations\": 8, \"max_iterations\": 12}")
         m=$(model_of "$n")
         case $n in v4*)  # the checkpoints may still be in the making (v4prep)
-            for _ in $(seq 540); do
-                [ -f "$SH/v4prep.pid" ] && kill -0 "$(cat "$SH/v4prep.pid")" 2>/dev/null || break
-                sleep 1
-            done ;;
+            for _ in $(seq 540); do running v4prep || break; sleep 1; done ;;
         esac
         [ -f "$m/model.safetensors.index.json" ] || case $n in v4*)
             echo "$n: no checkpoint in $m (v4release / v4convert first)"; exit 1 ;; esac
@@ -233,9 +233,7 @@ v4convert)
     exit $rc
     ;;
 v4prep)
-    # A pid file, not pgrep -f: a caller's own command line may name the step.
-    [ -f "$SH/v4prep.pid" ] && kill -0 "$(cat "$SH/v4prep.pid")" 2>/dev/null \
-        && { echo "v4prep: running"; tail -n 2 "$SH/logs/v4prep.log"; exit 0; }
+    running v4prep && { echo "v4prep: running"; tail -n 2 "$SH/logs/v4prep.log"; exit 0; }
     if [ -f "$V4FP8/model.safetensors.index.json" ]; then
         echo "v4prep: done"; cat "$SH/logs/v4-release.txt" "$SH/logs/v4-convert.txt" 2>/dev/null
         exit 0
@@ -249,9 +247,7 @@ v4prep)
 v4probe)
     # Issue 4/4's first look, in the background while nothing is measured: does vLLM 0.26 run
     # a small DeepSeek-V4 (dummy weights) here, with MXFP4 and with FP8 experts?
-    # A pid file, not pgrep -f: a caller's own command line may name the probe.
-    [ -f "$SH/v4probe.pid" ] && kill -0 "$(cat "$SH/v4probe.pid")" 2>/dev/null \
-        && { echo "v4 probe: running"; exit 0; }
+    running v4probe && { echo "v4 probe: running"; exit 0; }
     setsid bash -c "python3 benchmarks/journey_h200/v4_probe.py $SH/check/v4 --expert-dtype fp4 \
             > $SH/logs/v4-fp4.log 2>&1; python3 benchmarks/journey_h200/v4_probe.py $SH/check/v4 \
             --expert-dtype fp8 --moe-backend flashinfer_cutlass > $SH/logs/v4-fp8.log 2>&1; \

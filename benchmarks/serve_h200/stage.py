@@ -105,8 +105,9 @@ def main(argv: list[str] | None = None) -> None:
     extra = ["--layers", str(a.layers)] if a.layers else []
     subprocess.run([sys.executable, str(HERE / "make_model.py"), str(model), *extra], check=True)
 
+    reqs = requirements(a.extra)
     rest = sorted(w for w in wheels.glob("*.whl") if not w.name.startswith(BOOT)
-                  and _wanted(w.name, requirements(a.extra)))  # fmt: skip
+                  and _wanted(w.name, reqs))  # fmt: skip
     bundle = st / "bundle.tar"
     with tarfile.open(bundle, "w") as t:
         for w in rest:

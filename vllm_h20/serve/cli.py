@@ -142,15 +142,13 @@ def _precompile_fix(r, parsed: dict, model: Path, gpu: str, extra: list[str], dr
     from ..moe import dispatch
     from ..moe import precompile as pc
     from ..moe.patchfile import PatchError
+    from .plan import parallelism
 
     backend = _last_flag(extra, "--moe-backend") or r.flags.get("moe-backend")
     if backend != "flashinfer_cutlass":
         return  # the fix is FlashInfer CUTLASS's kernel choice; other backends never run it
     tokens = _last_flag(extra, "--max-num-batched-tokens") or parsed.get("max_num_batched_tokens")
-    tp = int(parsed.get("tensor_parallel_size") or 1)
-    dp = int(parsed.get("data_parallel_size") or 1)
-    ep = tp * dp if parsed.get("enable_expert_parallel") else 1
-    redundant = int(parsed.get("num_redundant_experts") or 0) if parsed.get("enable_eplb") else 0
+    _tp, dp, ep, redundant = parallelism(parsed)
     try:
         decision = dispatch.decide()
         if not decision.per_expert:

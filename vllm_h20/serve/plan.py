@@ -117,6 +117,16 @@ def _tensors(model: Path):
             yield name, t.end - t.begin
 
 
+def parallelism(parsed: dict) -> tuple[int, int, int, int]:
+    """(TP, DP, EP, EPLB's redundant experts) as vLLM reads them from a recipe: experts are
+    spread over TP x DP ranks when expert parallelism is on, replicas only with EPLB."""
+    tp = int(parsed.get("tensor_parallel_size") or 1)
+    dp = int(parsed.get("data_parallel_size") or 1)
+    ep = tp * dp if parsed.get("enable_expert_parallel") else 1
+    redundant = int(parsed.get("num_redundant_experts") or 0) if parsed.get("enable_eplb") else 0
+    return tp, dp, ep, redundant
+
+
 def plan(
     recipe: Recipe,
     parsed: dict,
@@ -127,10 +137,7 @@ def plan(
     """parsed: the values vLLM's parser read from the recipe (check.CheckResult.parsed)."""
     ov = overheads or Overheads()
     gpu_name, total = gpu_bytes(gpu)
-    tp = int(parsed.get("tensor_parallel_size") or 1)
-    dp = int(parsed.get("data_parallel_size") or 1)
-    ep = tp * dp if parsed.get("enable_expert_parallel") else 1
-    redundant = int(parsed.get("num_redundant_experts") or 0) if parsed.get("enable_eplb") else 0
+    tp, dp, ep, redundant = parallelism(parsed)
     offload = bool(parsed.get("engram_cpu_offload"))
 
     experts: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
