@@ -28,7 +28,8 @@
 #                           need only boot's wheels), logged to logs/v4prep.log; `serve v4*`
 #                           waits for it
 #                           servers v4hum (8011: the release on Humming), v4fix (8012: the
-#                           conversion, FlashInfer CUTLASS + fix), v4stock (8013: same, stock)
+#                           conversion, FlashInfer CUTLASS + fix), v4stock (8013: same, stock),
+#                           v4marlin (8014: the release on Marlin, if Humming cannot run)
 #   h200.sh stop NAME       stop a server
 #   h200.sh collect OUT     results (no traces) -> OUT/serve_h200.tar.gz
 #
@@ -70,15 +71,17 @@ fi
 V4FP8=$SH/v4/converted
 
 port() { case $1 in fix) echo 8001 ;; stock) echo 8002 ;; triton) echo 8003 ;; deepgemm) echo 8004 ;;
-         v4hum) echo 8011 ;; v4fix) echo 8012 ;; v4stock) echo 8013 ;;
-         *) echo "unknown server $1 (fix|stock|triton|deepgemm|v4hum|v4fix|v4stock)" >&2
+         v4hum) echo 8011 ;; v4fix) echo 8012 ;; v4stock) echo 8013 ;; v4marlin) echo 8014 ;;
+         *) echo "unknown server $1 (fix|stock|triton|deepgemm|v4hum|v4fix|v4stock|v4marlin)" >&2
             return 1 ;; esac; }
 # The checkpoint and recipe each server runs.
-model_of() { case $1 in v4hum) echo "$V4REL" ;; v4fix|v4stock) echo "$V4FP8" ;; *) echo "$model" ;; esac; }
+model_of() { case $1 in v4hum|v4marlin) echo "$V4REL" ;; v4fix|v4stock) echo "$V4FP8" ;; *) echo "$model" ;; esac; }
 recipe_of() { case $1 in
-    v4hum) echo "$repo/recipes/test-h200-dsv4-mxfp4-humming.yaml" ;;
+    v4hum|v4marlin) echo "$repo/recipes/test-h200-dsv4-mxfp4-humming.yaml" ;;
     v4fix|v4stock) echo "$repo/recipes/test-h200-dsv4-fp8-flashinfer-cutlass.yaml" ;;
     *) echo "$recipe" ;; esac; }
+# Written once a V4 checkpoint is complete (before verify), for `serve` to wait on.
+ready_of() { case $1 in v4hum|v4marlin) echo "$SH/v4/release.ready" ;; *) echo "$SH/v4/converted.ready" ;; esac; }
 healthy() { curl -sf -m 2 "localhost:$(port "$1")/health" >/dev/null; }
 # Whether a background step (v4prep, v4probe) still runs: its pid file, not pgrep -f, since a
 # caller's own command line may name the step.
@@ -142,8 +145,8 @@ serve)
         args=(--port "$p" --served-model-name "$n"
               --profiler-config "{\"profiler\": \"torch\", \"torch_profiler_dir\": \"$SH/prof/$n\", \"torch_profiler_with_stack\": false, \"ignore_frontend\": true, \"delay_iterations\": 8, \"max_iterations\": 12}")
         m=$(model_of "$n")
-        case $n in v4*)  # the checkpoints may still be in the making (v4prep)
-            for _ in $(seq 540); do running v4prep || break; sleep 1; done ;;
+        case $n in v4*)  # the checkpoint may still be in the making (v4prep); verify may not
+            for _ in $(seq 540); do [ -f "$(ready_of "$n")" ] && break; running v4prep || break; sleep 1; done ;;
         esac
         [ -f "$m/model.safetensors.index.json" ] || case $n in v4*)
             echo "$n: no checkpoint in $m (v4release / v4convert first)"; exit 1 ;; esac
@@ -154,6 +157,11 @@ serve)
             stock|v4stock) envs+=(VLLM_H20_MOE_DISPATCH=stock) ;;
             triton) args+=(--moe-backend triton) ;;
             deepgemm) args+=(--moe-backend deep_gemm) ;;
+            v4marlin) args+=(--moe-backend marlin) ;;  # the recipe's Humming, overridden
+            # W4A8, the seed's baseline: vLLM 0.26 gives Humming BF16 activations unless told
+            # (V4HUM_INPUT='{}' serves W4A16); FP8 with per-token scales here (vLLM 0.33 runs
+            # block FP8, group 128, for V4.1's declared MXFP8 activations).
+            v4hum) envs+=("VLLM_HUMMING_INPUT_QUANT_CONFIG=${V4HUM_INPUT:-{\"input_dtype\": \"float8e4m3\"\}}") ;;
         esac
         env "${envs[@]}" setsid vllm-h20 serve "$(recipe_of "$n")" --model "$m" --gpu h200 \
             -- "${args[@]}" \
@@ -208,12 +216,14 @@ v4release)
     if [ ! -f "$V4REL/model.safetensors.index.json" ]; then
         rm -rf "$V4REL"
         s0=$(date +%s)
-        vllm-h20 synth "$V4REL" --preset "${V4PRESET:-v4-h200}" --layout v4 --shards 3 || exit 1
+        # 8 shards: convert works on one shard per process (8 at most).
+        vllm-h20 synth "$V4REL" --preset "${V4PRESET:-v4-h200}" --layout v4 --shards 8 || exit 1
         # GuideLLM sizes prompts with the model's tokenizer: a byte-level BPE, not synth's stub.
         python3 -c "import sys; sys.path.insert(0, 'benchmarks/serve_h200'); from pathlib import Path; \
 from make_model import write_tokenizer; write_tokenizer(Path('$V4REL'))" || exit 1
         echo "synth: $(( $(date +%s) - s0 )) s" | tee "$SH/logs/v4-release.txt"
     fi
+    mkdir -p "$SH/v4" && touch "$(ready_of v4hum)"
     du -sh "$V4REL"; df -h /dev/shm "$SH" | tail -n 2
     ;;
 v4convert)
@@ -224,6 +234,7 @@ v4convert)
         echo "convert: $(( $(date +%s) - s0 )) s" | tee "$SH/logs/v4-convert.txt"
         cp "$V4FP8"/*report*.json "$SH/logs/" 2>/dev/null
     fi
+    touch "$(ready_of v4fix)"  # the servers may start while verify reads the checkpoints
     s0=$(date +%s)
     vllm-h20 verify "$V4REL" "$V4FP8" > "$SH/logs/v4-verify.txt" 2>&1
     rc=$?

@@ -149,6 +149,12 @@ def test_device_script_v4_steps_synthesize_convert_and_verify(tmp_path):
     assert out.startswith("v4prep: done"), out + (logs / "v4prep.log").read_text()
     assert "verify: rc 0" in (logs / "v4-convert.txt").read_text()
     assert (logs / "conversion_report.json").exists()
+    # What `serve v4*` waits on: each checkpoint marked complete, outside the model folders.
+    assert {p.name for p in (tmp_path / "sh" / "v4").glob("*.ready")} == {
+        "release.ready",
+        "converted.ready",
+    }
+    assert not list((tmp_path / "release").glob(".*ready"))
     tok = json.loads((tmp_path / "release" / "tokenizer.json").read_text())
     assert tok["model"]["type"] == "BPE"
     conv = tmp_path / "sh" / "v4" / "converted"
