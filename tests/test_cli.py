@@ -62,6 +62,7 @@ def test_convert_then_verify(tiny_src, tmp_path):
     assert doc["groups"]["routed_experts"]["exact_fraction"] == 1.0
     assert "verify: OK" in cli("verify", tiny_src, dst, check_code=0).stdout
     assert "verify: OK" in cli("verify", tiny_src, dst, "--sample", "2", check_code=0).stdout
+    assert "verify: OK" in cli("verify", tiny_src, dst, "-j", "2", check_code=0).stdout
 
 
 def _shard_with(src: Path, suffix: str) -> tuple[Path, str]:
@@ -86,9 +87,13 @@ def test_verify_catches_tampering(tiny_src, tmp_path):
     _poke(shard, name, 11, b"\x7e")
     shard2, kept = _shard_with(dst, "embed.weight")
     _poke(shard2, kept, 0, b"\x12\x34")
-    p = cli("verify", tiny_src, dst)
-    assert p.returncode == 1
-    assert "not the nearest E4M3" in p.stdout and "'embed.weight' differs" in p.stdout
+    fails = []
+    for workers in ("1", "3"):  # one process, or one output shard per worker process
+        p = cli("verify", tiny_src, dst, "-j", workers)
+        assert p.returncode == 1
+        assert "not the nearest E4M3" in p.stdout and "'embed.weight' differs" in p.stdout
+        fails.append([line for line in p.stdout.splitlines() if line.startswith("FAIL")])
+    assert fails[0] == fails[1]  # same failures, in shard order, whatever finished first
 
 
 # -- bad input: each a one-line message naming the file/tensor and what to do ----------

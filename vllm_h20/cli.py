@@ -135,7 +135,14 @@ def convert(src, dst, rules, workers, resume, overwrite, keep_unmatched, band_mi
     help="Check N converted tensors per group (evenly spread) instead of all. "
     "Copied tensors and files are always checked in full.",
 )
-def verify(src, dst, rules, sample):
+@click.option(
+    "-j",
+    "--workers",
+    type=click.IntRange(min=1),
+    default=None,
+    help="Worker processes (one output shard each). Default: CPU count, at most 8.",
+)
+def verify(src, dst, rules, sample, workers):
     """Re-read SRC and DST and check every converted tensor and every copied byte.
 
     Each output element must be the nearest E4M3 value of the source value under a
@@ -144,12 +151,13 @@ def verify(src, dst, rules, sample):
     mismatch.
     """
     from .convert import rules as rules_mod
+    from .convert.runner import Options
 
-    res = _verify(src, dst, rules_mod.load(rules), sample)
+    res = _verify(src, dst, rules_mod.load(rules), sample, workers=workers or Options().workers)
     sys.exit(0 if res.ok else EXIT_CHECK_FAILED)
 
 
-def _verify(src, dst, rs, sample, console=None):
+def _verify(src, dst, rs, sample, console=None, workers: int = 1):
     from rich.table import Table
 
     from .console import byte_progress, make_console
@@ -162,7 +170,12 @@ def _verify(src, dst, rs, sample, console=None):
     with bar:
         task = bar.add_task("verifying", total=None)
         res = run(
-            src, dst, rs, sample, lambda done, total: bar.update(task, completed=done, total=total)
+            src,
+            dst,
+            rs,
+            sample,
+            lambda done, total: bar.update(task, completed=done, total=total),
+            workers=workers,
         )
     t = Table(title="Verification", title_justify="left")
     for c in ("group", "checked", "bit-exact", "max |err|", "rel L2"):

@@ -5,6 +5,7 @@
 Generates (once) a >= 2 GiB V4.1-layout checkpoint with the real matrix shapes, then times
   copy:    read every input byte and write as many bytes as the conversion writes, fsync
   convert: `vllm-h20 convert` with each worker count (fresh DST each time)
+  verify:  with --verify, `vllm-h20 verify` of that output with the same worker count
 each from a cold page cache where the machine allows dropping it (root), else warm, and
 prints convert / copy, peak RSS of the converter (parent + largest worker) and scaling with
 workers. Writes a JSON record with --json-out. Not a test: no thresholds, just the ratio.
@@ -65,21 +66,20 @@ def plain_copy(src: Path, dst: Path, out_bytes: int) -> float:
 
 
 def run_convert(src: Path, dst: Path, workers: int) -> tuple[float, int]:
-    cmd = [
-        sys.executable,
-        "-m",
-        "vllm_h20.cli",
-        "convert",
-        str(src),
-        str(dst),
-        "-j",
-        str(workers),
-        "-q",
-    ]
+    cmd = [sys.executable, "-m", "vllm_h20.cli", "convert", str(src), str(dst)]
+    cmd += ["-j", str(workers), "-q"]
     t0 = time.perf_counter()
     subprocess.run(cmd, check=True)
     secs = time.perf_counter() - t0
     return secs, resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024
+
+
+def run_verify(src: Path, dst: Path, workers: int) -> float:
+    cmd = [sys.executable, "-m", "vllm_h20.cli", "verify", str(src), str(dst)]
+    cmd += ["-j", str(workers)]
+    t0 = time.perf_counter()
+    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+    return time.perf_counter() - t0
 
 
 def _versions() -> dict:
@@ -102,6 +102,7 @@ def main() -> None:
     ap.add_argument("--workdir", type=Path, default=Path("/tmp/vllm-h20-bench"))
     ap.add_argument("--workers", type=int, nargs="+", default=[1, 2])
     ap.add_argument("--experts", type=int, default=None, help="experts per layer (size knob)")
+    ap.add_argument("--verify", action="store_true", help="also time `vllm-h20 verify`")
     ap.add_argument("--json-out", type=Path, default=None)
     a = ap.parse_args()
 
@@ -123,14 +124,16 @@ def main() -> None:
         cold = drop_caches()
         secs, rss = run_convert(src, dst, w)
         out_bytes = dir_bytes(dst)
-        runs.append(
-            {
-                "workers": w,
-                "seconds": round(secs, 2),
-                "cold_cache": cold,
-                "peak_rss_bytes_children": rss,
-            }
-        )
+        run = {
+            "workers": w,
+            "seconds": round(secs, 2),
+            "cold_cache": cold,
+            "peak_rss_bytes_children": rss,
+        }
+        if a.verify:
+            drop_caches()
+            run["verify_seconds"] = round(run_verify(src, dst, w), 2)
+        runs.append(run)
         shutil.rmtree(dst)
 
     copy_dst = a.workdir / "copy"
@@ -152,6 +155,14 @@ def main() -> None:
             f"{'convert -j' + str(r['workers']):<14}{s:>9.2f}{bytes_in / s / 2**20:>10.0f}"
             f"{s / copy_s:>9.2f}{r['peak_rss_bytes_children'] / GIB:>9.2f} G"
         )
+    for r in runs:  # verify re-reads the input and the output: the same copy as baseline
+        if "verify_seconds" in r:
+            v = r["verify_seconds"]
+            r["verify_ratio_vs_copy"] = round(v / copy_s, 3)
+            print(
+                f"{'verify -j' + str(r['workers']):<14}{v:>9.2f}{bytes_in / v / 2**20:>10.0f}"
+                f"{v / copy_s:>9.2f}{'-':>11}"
+            )
     doc = {
         "benchmark": "convert vs plain copy",
         "command": " ".join(["python", *sys.argv]),

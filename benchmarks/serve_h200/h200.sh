@@ -42,7 +42,9 @@ SH=${SH:-/tmp/serve_h200}
 SITE=${SITE:-$SH/site}
 mkdir -p "$SH"/{logs,pieces,runs,check,prof}
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
-export PYTHONPATH=$SITE PATH=$SITE/bin:$PATH
+# pip --target installs .pth files that nothing runs from PYTHONPATH: CuTe DSL's (the `cutlass`
+# package DeepSeek-V4's kernels import) adds this folder.
+export PYTHONPATH=$SITE:$SITE/nvidia_cutlass_dsl/dsl_packages PATH=$SITE/bin:$PATH
 # The fix module and the DeepGEMM kernels it compiles at run time are cached here, shared by
 # every server and by `kernels build` (the patched kernels' names differ from stock ones).
 export FLASHINFER_WORKSPACE_BASE=$SH/jit VLLM_H20_CACHE_DIR=$SH/vllm-h20
@@ -113,11 +115,19 @@ install)
         have=$(ls "$SH/pieces" | wc -l)
         [ "$have" = "$want" ] || { echo "have $have of $want pieces"; exit 1; }
         cat "$SH"/pieces/piece-* | tar -x -C "$SH/stage" || exit 1
-        python3 -m pip install -q --no-index --no-deps --no-compile --target "$SITE" \
-            "$SH"/stage/wheels/*.whl 2>&1 | grep -v "already exists" | tail -n 5
+        # pip --target skips every top-level folder the target already holds ("already
+        # exists"), so wheels sharing one lose files (CuTe DSL's three share nvidia_cutlass_dsl/:
+        # the journey's first lease lost `cutlass.cute` that way). One pip run into an empty
+        # folder installs them as a prefix would; the result is then merged into boot's $SITE.
+        rm -rf "$SH/site.new"
+        python3 -m pip install -q --no-index --no-deps --no-compile --target "$SH/site.new" \
+            "$SH"/stage/wheels/*.whl 2>&1 | tail -n 5
+        cp -a "$SH/site.new/." "$SITE/" || exit 1
+        rm -rf "$SH/site.new"
         python3 -c "import vllm; print('vllm', vllm.__version__)" || exit 1
-        # pip --target skips a bin/ that `boot` already made, so vLLM's own script is missing.
+        # vLLM's own script, where its wheel's did not land in bin/.
         if [ ! -x "$SITE/bin/vllm" ]; then
+            mkdir -p "$SITE/bin"
             printf '#!/bin/sh\nexec python3 -m vllm.entrypoints.cli.main "$@"\n' > "$SITE/bin/vllm"
             chmod +x "$SITE/bin/vllm"
         fi
@@ -153,16 +163,21 @@ serve)
         # A generated checkpoint (the `weights` step) replaces the V3 recipe's dummy weights.
         [ "$m" = "$model" ] && [ -f "$m/model.safetensors.index.json" ] && args+=(--load-format auto)
         envs=(VLLM_H20_STRICT=1)
+        [ "$n" = v4marlin ] && args+=(--moe-backend marlin)  # the recipe's Humming, overridden
         case $n in
             stock|v4stock) envs+=(VLLM_H20_MOE_DISPATCH=stock) ;;
             triton) args+=(--moe-backend triton) ;;
             deepgemm) args+=(--moe-backend deep_gemm) ;;
-            v4marlin) args+=(--moe-backend marlin) ;;  # the recipe's Humming, overridden
             # W4A8, the seed's baseline: vLLM 0.26 gives Humming BF16 activations unless told
             # (V4HUM_INPUT='{}' serves W4A16); FP8 with per-token scales here (vLLM 0.33 runs
             # block FP8, group 128, for V4.1's declared MXFP8 activations).
-            v4hum) envs+=("VLLM_HUMMING_INPUT_QUANT_CONFIG=${V4HUM_INPUT:-{\"input_dtype\": \"float8e4m3\"\}}") ;;
+            v4hum|v4marlin) envs+=("VLLM_HUMMING_INPUT_QUANT_CONFIG=${V4HUM_INPUT:-{\"input_dtype\": \"float8e4m3\"\}}") ;;
         esac
+        # DeepSeek-V4 needs vLLM's DeepGEMM linear kernel: it alone reshapes wo_a's grouped
+        # (bmm) weight scales for V4's fp8_einsum O projection (layout.hpp: t.dim() == N
+        # otherwise), and vLLM's CUTLASS one rejects the release's E8M0 scales (dispatch_scaled_mm).
+        case $n in v4*) envs+=(VLLM_DISABLED_KERNELS=FlashInferFp8DeepGEMMDynamicBlockScaledKernel) ;; esac
+        printf '%s\n' "${envs[@]}" > "$SH/logs/$n.env"  # what each server ran under
         env "${envs[@]}" setsid vllm-h20 serve "$(recipe_of "$n")" --model "$m" --gpu h200 \
             -- "${args[@]}" \
             > "$SH/logs/$n.log" 2>&1 < /dev/null &

@@ -78,24 +78,35 @@ def cmd_compare(a) -> None:
         top_a, top_b = res[na]["top_logprobs"][0], res[nb]["top_logprobs"][0]
         common = sorted(set(top_a) & set(top_b))
         diffs = [abs(top_a[t] - top_b[t]) for t in common]
+        margins = [margin(top_a), margin(top_b)]
         rows.append({
             "prompt": prompt,
             "first_token": [ta[0], tb[0]],
             "first_token_top20_common": len(common),
             "first_token_max_abs_logprob_diff": max(diffs) if diffs else None,
             "first_token_logprob": [res[na]["token_logprobs"][0], res[nb]["token_logprobs"][0]],
+            # How far each server's best first token is ahead of its second: a greedy token
+            # can only flip between the two where the logprob difference exceeds this.
+            "first_token_margin": margins,
+            "first_token_top20": [top_a, top_b],
             "identical_tokens": sum(same),
             "identical_prefix": prefix,
             "tokens": [ta, tb],
         })  # fmt: skip
         print(f"{prompt[:40]:40s}  first-token top-20 common {len(common):2d}, max |dlogprob| "
-              f"{max(diffs) if diffs else float('nan'):.2e}; identical {sum(same)}/{len(ta)}, "
-              f"prefix {prefix}")  # fmt: skip
+              f"{max(diffs) if diffs else float('nan'):.2e} (top-1 margins {margins[0]:.2f}, "
+              f"{margins[1]:.2f}); identical {sum(same)}/{len(ta)}, prefix {prefix}")  # fmt: skip
     out = {"servers": [na, nb], "max_tokens": GREEDY_TOKENS, "top_logprobs": TOP_LOGPROBS,
            "temperature": 0, "rows": rows}  # fmt: skip
     # One file per pair: fix vs stock is the A/B, fix vs another MoE path states how far
     # two kernels' rounding moves the same model.
     Path(a.out, f"compare_{na}-{nb}.json").write_text(json.dumps(out, indent=1))
+
+
+def margin(top: dict[str, float]) -> float:
+    """Logprob of the most likely token minus that of the second (inf with one candidate)."""
+    best = sorted(top.values(), reverse=True)
+    return best[0] - best[1] if len(best) > 1 else float("inf")
 
 
 def _words(i: int, n: int) -> str:

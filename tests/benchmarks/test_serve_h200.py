@@ -10,6 +10,7 @@ import subprocess
 import sys
 import tarfile
 import time
+import zipfile
 from pathlib import Path
 
 import numpy as np
@@ -189,6 +190,11 @@ def test_decode_step_counts_and_varied_layers():
     assert probe.varied_layers(same) == []
 
 
+def test_margin_is_the_lead_of_the_best_first_token():
+    assert probe.margin({"a": -1.0, "b": -3.5, "c": -2.0}) == pytest.approx(1.0)
+    assert probe.margin({"a": -0.1}) == float("inf")
+
+
 def test_uniform_reference_matches_its_expectation():
     ref = probe.uniform_reference(64, 384, 6, trials=300)
     expected_idle = 384 * (1 - 6 / 384) ** 64  # each token leaves a given expert idle w.p. 1-6/384
@@ -360,3 +366,46 @@ def test_device_script_remembers_where_the_v4_release_went(tmp_path):
     res = subprocess.run(["bash", str(script), "serve", "v4hum"], capture_output=True,
                          text=True, env=env, timeout=60)  # fmt: skip
     assert res.returncode == 1 and f"v4hum: no checkpoint in {tmp_path}/elsewhere" in res.stdout
+
+
+def _wheel(d: Path, name: str, files: dict[str, str]) -> None:
+    """A minimal pure-Python wheel holding `files` (path -> text)."""
+    info = f"{name}-1.0.dist-info"
+    meta = {
+        f"{info}/METADATA": f"Metadata-Version: 2.1\nName: {name}\nVersion: 1.0\n",
+        f"{info}/WHEEL": "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\n"
+        "Tag: py3-none-any\n",
+    }
+    entries = {**files, **meta}
+    record = "".join(f"{p},,\n" for p in [*entries, f"{info}/RECORD"])
+    with zipfile.ZipFile(d / f"{name}-1.0-py3-none-any.whl", "w") as z:
+        for p, text in {**entries, f"{info}/RECORD": record}.items():
+            z.writestr(p, text)
+
+
+def test_device_script_install_keeps_every_file_of_wheels_sharing_a_folder(tmp_path):
+    """CuTe DSL's wheels all write into nvidia_cutlass_dsl/, and pip --target skips a folder
+    that is already there: the journey's first lease lost `cutlass.cute` that way. Install
+    merges instead, into the boot step's site folder too."""
+    sh = tmp_path / "sh"
+    wheels = tmp_path / "pack" / "wheels"
+    wheels.mkdir(parents=True)
+    _wheel(wheels, "first", {"shared/a.py": "A = 1\n"})
+    _wheel(wheels, "second", {"shared/b.py": "B = 2\n"})
+    _wheel(wheels, "vllm", {"vllm/__init__.py": "__version__ = '0.26.0'\n"})
+    (sh / "pieces").mkdir(parents=True)
+    with tarfile.open(sh / "pieces" / "piece-00", "w") as t:
+        t.add(wheels, arcname="wheels")
+    (sh / "stage" / "boot").mkdir(parents=True)
+    (sh / "stage" / "boot" / "pieces.txt").write_text("1\n")
+    (sh / "site" / "shared").mkdir(parents=True)
+    (sh / "site" / "shared" / "boot.py").write_text("BOOT = 0\n")  # what boot installed
+    env = {"SH": str(sh), "HOME": str(tmp_path), "PYTHONNOUSERSITE": "1",
+           "PATH": f"{Path(sys.executable).parent}:/usr/bin:/bin"}  # fmt: skip
+    res = subprocess.run(["bash", str(HERE / "h200.sh"), "install"], capture_output=True,
+                         text=True, env=env, timeout=300)  # fmt: skip
+    assert "vllm 0.26.0" in res.stdout, res.stdout + res.stderr
+    shared = sh / "site" / "shared"
+    assert sorted(p.name for p in shared.iterdir()) == ["a.py", "b.py", "boot.py"]
+    assert (sh / "site" / "bin" / "vllm").is_file() and (sh / "stage" / ".installed").exists()
+    assert not (sh / "site.new").exists()

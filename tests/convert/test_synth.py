@@ -54,3 +54,17 @@ def test_quantized_weights_have_trained_magnitudes(tmp_path, layout):
     s = np.ldexp(1.0, e8m0_exponent(r.array("layers.0.attn.wq_a.scale").view(np.uint8)))
     deq = q * np.kron(s, np.ones((block, block)))[: q.shape[0], : q.shape[1]]
     assert 2**-0.6 < deq.std() * np.sqrt(h) < 2**0.6
+
+
+def test_v4_config_ropes_with_yarn_as_vllm_026_needs(tmp_path):
+    """vLLM 0.26's DeepSeek-V4 builds its float32 cos/sin cache only on the DeepSeek-YaRN
+    path (`rope_type` other than "default"); a "default" rope fails its first forward on the
+    H200 (`assert cos_sin_cache.dtype == torch.float32`, fused_inv_rope_fp8_quant)."""
+    generate(tmp_path / "v4", scaled("tiny", experts=8), layout="v4", shards=1, sparse=True)
+    cfg = json.loads((tmp_path / "v4" / "config.json").read_text())
+    rope = cfg["rope_scaling"]
+    assert rope["rope_type"] == rope["type"] == "yarn"
+    # What vLLM's DeepSeek-YaRN rope reads; the cache spans factor x original positions.
+    positions = rope["factor"] * rope["original_max_position_embeddings"]
+    assert positions == cfg["max_position_embeddings"]
+    assert {"beta_fast", "beta_slow"} <= rope.keys()

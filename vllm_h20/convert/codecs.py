@@ -76,15 +76,29 @@ def e8m0_exponent(scale_bytes: np.ndarray) -> np.ndarray:
     return np.asarray(scale_bytes).view(np.uint8).astype(np.int32) - E8M0_BIAS
 
 
+# Every E4M3FN byte's float64 value, from ml_dtypes once: a lookup is ~3x faster than
+# ml_dtypes' element-wise cast, which dominated `verify`.
+_E4M3_F64 = np.arange(256, dtype=np.uint8).view(E4M3).astype(np.float64)
+
+
 def e4m3_decode(q: np.ndarray) -> np.ndarray:
     """Float64 values of E4M3FN bytes (NaN for 0x7F/0xFF)."""
-    return np.asarray(q).view(np.uint8).view(E4M3).astype(np.float64)
+    return _E4M3_F64[np.asarray(q).view(np.uint8)]
 
 
 def e4m3_encode(values: np.ndarray) -> np.ndarray:
     """Round-to-nearest-even E4M3FN bytes (uint8), saturating at +-448."""
     v = np.clip(np.asarray(values, dtype=np.float64), -E4M3_MAX, E4M3_MAX)
     return v.astype(E4M3).view(np.uint8)
+
+
+def e4m3_encode_f32_exact(values: np.ndarray) -> np.ndarray:
+    """`e4m3_encode` for values that float32 holds exactly (a few mantissa bits times a power
+    of two, as E2M1 and E4M3 codes under power-of-two scales are), via float32: ml_dtypes
+    casts float32 ~4x faster than float64. Values below float32's range round to zero in
+    E4M3 either way; anything else would round twice, so callers must only pass such values."""
+    v = np.clip(np.asarray(values, dtype=np.float64), -E4M3_MAX, E4M3_MAX)
+    return v.astype(np.float32).astype(E4M3).view(np.uint8)
 
 
 def pow2(exp: np.ndarray | int) -> np.ndarray:

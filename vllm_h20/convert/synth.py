@@ -182,7 +182,18 @@ def _config(shape: ModelShape, layout: str) -> dict:
             "max_position_embeddings": 65536,
             "rope_theta": 10000.0,
             "compress_rope_theta": 160000.0,
-            "rope_scaling": {"rope_type": "default", "rope_theta": 10000.0},
+            # YaRN, as V4 is released: vLLM 0.26's V4 kernels take their cos/sin cache in
+            # float32, which only its DeepSeek-YaRN rope builds ("default" gives a BF16 cache
+            # and fails `assert cos_sin_cache.dtype == torch.float32` on the first forward).
+            "rope_scaling": {
+                "type": "yarn",
+                "rope_type": "yarn",
+                "factor": 16,
+                "original_max_position_embeddings": 4096,
+                "beta_fast": 32,
+                "beta_slow": 1,
+                "rope_theta": 10000.0,
+            },
             "bos_token_id": 0,
             "eos_token_id": 1,
             "tie_word_embeddings": False,

@@ -10,24 +10,27 @@ files must match byte for byte.
 from __future__ import annotations
 
 import json
+import multiprocessing as mp
+from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
+from . import runner
 from .blockscale import BLOCK, MXFP4_GROUP, Stats
 from .codecs import (
     E2M1_VALUES,
     E4M3_MAX,
     e4m3_decode,
-    e4m3_encode,
+    e4m3_encode_f32_exact,
     frexp_exponent,
     pow2,
     unpack_e2m1,
 )
 from .config import rewrite_config
 from .plan import CONFIG, INDEX, OutTensor, PlanError, make_plan
-from .report import REPORT
+from .report import REPORT, merge_groups
 from .rules import RuleSet
 from .safetensors_io import CheckpointError, ShardReader, read_header
 from .shard import OUTPUT_METADATA
@@ -97,7 +100,8 @@ def _check_pair(t: OutTensor, src_w, src_s, out_w, out_s, stats: Stats) -> str |
         if np.any((bm > 0) & (mine < best)):
             return f"{t.name}: a block scale is too small for its values (E4M3 overflow)"
         got = e4m3_decode(np.asarray(out_w[r0:r1])) * blk
-        want = e4m3_decode(e4m3_encode(ref / blk)) * blk
+        # ref / blk: a source code (E2M1 or E4M3) times a power of two, exact in float32.
+        want = e4m3_decode(e4m3_encode_f32_exact(ref / blk)) * blk
         if not np.array_equal(got, want):
             row, col = (int(i) for i in np.argwhere(got != want)[0])
             return f"{t.name}: element ({r0 + row}, {col}) is not the nearest E4M3 of the source"
@@ -127,10 +131,16 @@ def _sample(names: list[str], k: int | None) -> set[str]:
 
 
 def verify(
-    src: Path, dst: Path, rules: RuleSet, sample: int | None = None, progress=None
+    src: Path,
+    dst: Path,
+    rules: RuleSet,
+    sample: int | None = None,
+    progress=None,
+    workers: int = 1,
 ) -> VerifyResult:
     """Check DST against SRC. ``sample``: converted tensors to check per group (None: all).
-    ``progress(done_bytes, total_bytes)`` is called as output tensors are checked."""
+    ``progress(done_bytes, total_bytes)`` is called as output tensors are checked;
+    ``workers`` processes check one output shard each, as `convert` writes them."""
     src, dst = Path(src), Path(dst)
     plan = make_plan(src, rules, keep_unmatched=True)
     res = VerifyResult()
@@ -163,67 +173,31 @@ def verify(
     res.planned = {g: len(v) for g, v in by_group.items()}
     chosen = set().union(*(_sample(v, sample) for v in by_group.values())) if by_group else set()
 
-    def checked(t: OutTensor) -> bool:
-        return t.op == "copy" or (t.op == "weight" and t.name in chosen)
+    jobs = []  # (shard plan, source headers, where, the shard's chosen tensors, bytes checked)
+    for sp in plan.shards:
+        mine = frozenset(t.name for t in sp.tensors if t.name in chosen)
+        nbytes = sum(t.nbytes for t in sp.tensors if _checked(t, mine))
+        jobs.append((sp, *runner._shard_inputs(plan, sp), mine, nbytes))
+    total = sum(j[-1] for j in jobs)
+    if progress:
+        progress(0, total)
+    if workers > 1 and len(jobs) > 1:
+        parts = _check_in_pool(dst, jobs, workers, progress, total)
+    else:
+        done = 0
 
-    total = sum(t.nbytes for sp in plan.shards for t in sp.tensors if checked(t))
-    done = 0
-    src_readers: dict[str, ShardReader] = {}
+        def tick(n: int) -> None:
+            nonlocal done
+            done += n
+            if progress:
+                progress(done, total)
 
-    def src_reader(name: str) -> ShardReader:
-        shard = plan.where[name]
-        if shard not in src_readers:
-            src_readers[shard] = ShardReader(plan.headers[shard])
-        return src_readers[shard]
-
-    try:
-        for sp in plan.shards:
-            try:
-                h = read_header(dst / sp.name)
-            except CheckpointError as e:
-                res.failures.append(str(e))
-                continue
-            if h.metadata != OUTPUT_METADATA:
-                res.failures.append(
-                    f"{dst / sp.name}: metadata {h.metadata} is not {OUTPUT_METADATA}"
-                )
-            planned = [(t.name, t.dtype, t.shape) for t in sp.tensors]
-            actual = [(t.name, t.dtype, t.shape) for t in h.tensors.values()]
-            if planned != actual:
-                res.failures.append(
-                    f"{dst / sp.name}: tensors, dtypes or shapes differ from the plan"
-                )
-                continue
-            out = ShardReader(h)
-            try:
-                for t in sp.tensors:
-                    if t.op == "copy":
-                        if not _same_bytes(out.raw(t.name), src_reader(t.src).raw(t.src)):
-                            res.failures.append(
-                                f"{dst / sp.name}: tensor {t.name!r} differs from the source"
-                            )
-                        res.copied_tensors += 1
-                        res.copied_bytes += t.nbytes
-                    elif t.op == "weight" and t.name in chosen:
-                        st = res.groups.setdefault(t.group, Stats())
-                        msg = _check_pair(
-                            t,
-                            src_reader(t.src).array(t.src),
-                            src_reader(t.src_scale).array(t.src_scale),
-                            out.array(t.name),
-                            out.array(t.src_scale),
-                            st,
-                        )
-                        if msg:
-                            res.failures.append(f"{dst / sp.name}: {msg}")
-                    if progress and checked(t):
-                        done += t.nbytes
-                        progress(done, total)
-            finally:
-                out.close()
-    finally:
-        for r in src_readers.values():
-            r.close()
+        parts = [_check_shard(dst, sp, h, w, mine, tick) for sp, h, w, mine, _ in jobs]
+    for part in parts:  # in shard order, whatever order the workers finished in
+        res.failures += part.failures
+        res.copied_tensors += part.copied_tensors
+        res.copied_bytes += part.copied_bytes
+    res.groups = merge_groups([part.groups for part in parts])
 
     for rel in plan.other_files:
         a, b = src / rel, dst / rel
@@ -233,6 +207,108 @@ def verify(
     if sample is None:
         _compare_report(dst, res)
     return res
+
+
+def _checked(t: OutTensor, chosen: frozenset[str]) -> bool:
+    return t.op == "copy" or (t.op == "weight" and t.name in chosen)
+
+
+def _check_shard(dst: Path, sp, headers: dict, where: dict, chosen, tick) -> VerifyResult:
+    """One output shard against its sources; ``tick(bytes)`` after each checked tensor."""
+    res = VerifyResult()
+    try:
+        h = read_header(dst / sp.name)
+    except CheckpointError as e:
+        res.failures.append(str(e))
+        return res
+    if h.metadata != OUTPUT_METADATA:
+        res.failures.append(f"{dst / sp.name}: metadata {h.metadata} is not {OUTPUT_METADATA}")
+    planned = [(t.name, t.dtype, t.shape) for t in sp.tensors]
+    actual = [(t.name, t.dtype, t.shape) for t in h.tensors.values()]
+    if planned != actual:
+        res.failures.append(f"{dst / sp.name}: tensors, dtypes or shapes differ from the plan")
+        return res
+    readers: dict[str, ShardReader] = {}
+
+    def src_reader(name: str) -> ShardReader:
+        shard = where[name]
+        if shard not in readers:
+            readers[shard] = ShardReader(headers[shard])
+        return readers[shard]
+
+    out = ShardReader(h)
+    try:
+        for t in sp.tensors:
+            if t.op == "copy":
+                if not _same_bytes(out.raw(t.name), src_reader(t.src).raw(t.src)):
+                    res.failures.append(
+                        f"{dst / sp.name}: tensor {t.name!r} differs from the source"
+                    )
+                res.copied_tensors += 1
+                res.copied_bytes += t.nbytes
+            elif t.op == "weight" and t.name in chosen:
+                st = res.groups.setdefault(t.group, Stats())
+                msg = _check_pair(
+                    t,
+                    src_reader(t.src).array(t.src),
+                    src_reader(t.src_scale).array(t.src_scale),
+                    out.array(t.name),
+                    out.array(t.src_scale),
+                    st,
+                )
+                if msg:
+                    res.failures.append(f"{dst / sp.name}: {msg}")
+            if _checked(t, chosen):
+                tick(t.nbytes)
+    finally:
+        out.close()
+        for r in readers.values():
+            r.close()
+    return res
+
+
+def _check_in_worker(dst: Path, sp, headers: dict, where: dict, chosen) -> VerifyResult:
+    return _check_shard(dst, sp, headers, where, chosen, runner._QUEUE.put)
+
+
+def _check_in_pool(dst: Path, jobs: list, workers: int, progress, total: int) -> list:
+    """The shards in worker processes (convert's pool set-up and progress queue)."""
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    done = 0
+
+    def drain() -> None:
+        nonlocal done
+        n = 0
+        while True:
+            try:
+                n += q.get_nowait()
+            except Exception:
+                break
+        if n and progress:
+            done += n
+            progress(done, total)
+
+    with ProcessPoolExecutor(
+        max_workers=min(workers, len(jobs)),
+        mp_context=ctx,
+        initializer=runner._init_worker,
+        initargs=(q,),
+    ) as pool:
+        # Largest first, so the last shard to finish is a small one.
+        order = sorted(range(len(jobs)), key=lambda i: -jobs[i][-1])
+        futures = {pool.submit(_check_in_worker, dst, *jobs[i][:4]): i for i in order}
+        pending = set(futures)
+        try:
+            while pending:
+                _finished, pending = wait(pending, timeout=0.2, return_when=FIRST_COMPLETED)
+                drain()
+            drain()
+        except BaseException:
+            pool.shutdown(wait=True, cancel_futures=True)
+            raise
+        parts = {futures[f]: f.result() for f in futures}
+    return [parts[i] for i in range(len(jobs))]
 
 
 def _compare_report(dst: Path, res: VerifyResult) -> None:
