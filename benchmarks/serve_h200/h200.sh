@@ -29,7 +29,8 @@
 #                           waits for it
 #                           servers v4hum (8011: the release on Humming), v4fix (8012: the
 #                           conversion, FlashInfer CUTLASS + fix), v4stock (8013: same, stock),
-#                           v4marlin (8014: the release on Marlin, if Humming cannot run)
+#                           v4marlin (8014: the release on Marlin, W4A16: how far activation
+#                           rounding alone moves it, or the baseline if Humming cannot run)
 #   h200.sh stop NAME       stop a server
 #   h200.sh collect OUT     results (no traces) -> OUT/serve_h200.tar.gz
 #
