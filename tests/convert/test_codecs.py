@@ -66,3 +66,28 @@ def test_lookup_tables_agree_with_ml_dtypes():
 def test_e8m0_exponent(e):
     assert c.e8m0_exponent(np.array([e + 127], np.uint8))[0] == e
     assert c.pow2(e) == 2.0**e
+
+
+@given(
+    st.lists(st.integers(0, 255), min_size=1, max_size=64),
+    st.lists(st.integers(-170, 140), min_size=1, max_size=64),
+    st.booleans(),
+)
+def test_f32_rounding_is_e4m3_encode_for_codes_under_power_of_two_scales(codes, shifts, e2m1):
+    """What verify rounds: a source code (E2M1 or E4M3) times a power of two; through float32
+    it must give the very bytes the float64 cast gives, saturation and underflow included."""
+    n = min(len(codes), len(shifts))
+    table = (
+        c.E2M1_VALUES[np.array(codes[:n]) % 16]
+        if e2m1
+        else c.e4m3_decode(np.array(codes[:n], np.uint8))
+    )
+    vals = np.nan_to_num(table) * np.ldexp(1.0, np.array(shifts[:n]))
+    assert np.array_equal(c.e4m3_encode_f32_exact(vals), c.e4m3_encode(vals))
+
+
+def test_e4m3_decode_is_ml_dtypes_cast():
+    q = np.arange(256, dtype=np.uint8).reshape(16, 16)
+    want = q.view(ml_dtypes.float8_e4m3fn).astype(np.float64)
+    got = c.e4m3_decode(q)
+    assert got.shape == q.shape and np.array_equal(got, want, equal_nan=True)
