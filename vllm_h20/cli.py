@@ -61,17 +61,21 @@ _rules_opt = click.option(
 )
 
 
-@main.command()
-@click.argument("src", type=click.Path(path_type=Path))
-@click.argument("dst", type=click.Path(path_type=Path))
-@_rules_opt
-@click.option(
+# convert and verify both work one output shard per process.
+_workers_opt = click.option(
     "-j",
     "--workers",
     type=click.IntRange(min=1),
     default=None,
-    help="Worker processes (one shard each). Default: CPU count, at most 8.",
+    help="Worker processes (one output shard each). Default: CPU count, at most 8.",
 )
+
+
+@main.command()
+@click.argument("src", type=click.Path(path_type=Path))
+@click.argument("dst", type=click.Path(path_type=Path))
+@_rules_opt
+@_workers_opt
 @click.option("--resume", is_flag=True, help="Continue an interrupted conversion into DST.")
 @click.option("--overwrite", is_flag=True, help="Replace an earlier conversion's output in DST.")
 @click.option(
@@ -135,13 +139,7 @@ def convert(src, dst, rules, workers, resume, overwrite, keep_unmatched, band_mi
     help="Check N converted tensors per group (evenly spread) instead of all. "
     "Copied tensors and files are always checked in full.",
 )
-@click.option(
-    "-j",
-    "--workers",
-    type=click.IntRange(min=1),
-    default=None,
-    help="Worker processes (one output shard each). Default: CPU count, at most 8.",
-)
+@_workers_opt
 def verify(src, dst, rules, sample, workers):
     """Re-read SRC and DST and check every converted tensor and every copied byte.
 

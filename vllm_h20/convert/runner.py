@@ -259,14 +259,19 @@ def _run_pool(src, dst, plan, todo, manifest, band, opts, total_in, console) -> 
             raise
 
 
-def _drain(q, progress: Progress, task) -> None:
+def _queued(q) -> int:
+    """The bytes the workers reported since the last call (emptying the queue)."""
     n = 0
     while True:
         try:
             n += q.get_nowait()
         except Exception:
             break
-    if n:
+    return n
+
+
+def _drain(q, progress: Progress, task) -> None:
+    if n := _queued(q):
         progress.advance(task, n)
 
 

@@ -279,12 +279,7 @@ def _check_in_pool(dst: Path, jobs: list, workers: int, progress, total: int) ->
 
     def drain() -> None:
         nonlocal done
-        n = 0
-        while True:
-            try:
-                n += q.get_nowait()
-            except Exception:
-                break
+        n = runner._queued(q)
         if n and progress:
             done += n
             progress(done, total)

@@ -28,6 +28,8 @@ from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass
 from pathlib import Path
 
+from .expected_m import swap_threshold
+
 KERNEL_CUH = (
     "nv_internal/tensorrt_llm/kernels/cutlass_kernels/fp8_blockscale_gemm/"
     "fp8_blockscale_gemm_kernel.cuh"
@@ -95,17 +97,18 @@ static void emit(char const* out, uint32_t n, uint32_t k, uint32_t groups, int s
   std::printf("%%s\n", name.c_str());
 }
 
-// argv: out_dir n k groups expert_slots sms top_k max_tokens
-// As grouped_gemm_dispatch does for the MoE runner (max_m_per_problem = num_rows).
+// argv: out_dir n k groups expert_slots sms top_k max_tokens threshold
+// As grouped_gemm_dispatch does for the MoE runner (max_m_per_problem = num_rows);
+// threshold: its m_per_expert_threshold, from expected_m.swap_threshold.
 int main(int argc, char** argv) {
-  if (argc != 9) return 2;
+  if (argc != 10) return 2;
   char const* out = argv[1];
   uint32_t n = std::atoi(argv[2]), k = std::atoi(argv[3]), groups = std::atoi(argv[4]);
   uint64_t slots = std::atoi(argv[5]);
   int sms = std::atoi(argv[6]);
   uint64_t top_k = std::atoi(argv[7]);
   uint32_t max_tokens = std::atoi(argv[8]);
-  uint32_t threshold = sms == 78 ? 64 : 32;
+  uint32_t threshold = std::atoi(argv[9]);
   for (uint32_t rows = 1; rows <= max_tokens; ++rows) {
     uint32_t expected_m = std::max<uint64_t>(1, (rows * top_k + slots - 1) / slots);
     RowClassPlan plan = plan_row_classes(expected_m, rows, threshold);
@@ -279,7 +282,7 @@ def plan_kernels(
     kernels: list[Kernel] = []
     for n, k in shape.gemms():
         args = [str(planner), str(out), str(n), str(k), str(shape.groups), str(shape.slots),
-                str(sms), str(shape.top_k), str(max_tokens)]  # fmt: skip
+                str(sms), str(shape.top_k), str(max_tokens), str(swap_threshold(sms))]  # fmt: skip
         r = subprocess.run(args, capture_output=True, text=True, timeout=600)
         if r.returncode != 0:
             raise PrecompileError(f"the kernel planner failed for N={n} K={k}: {r.stderr.strip()}")
