@@ -24,6 +24,9 @@
 #                           v4-h200 --layout v4; 21.6 GB in $V4REL: /dev/shm if it has room, the
 #                           disk holds the conversion) with this folder's byte-level tokenizer
 #   h200.sh v4convert       vllm-h20 convert + verify it into $SH/v4/converted (timed)
+#   h200.sh v4mhc           compile vLLM 0.26's V4 mHC TileLang kernels for every batch size,
+#                           14 at a time, into the cache the servers read (before `serve v4*`:
+#                           otherwise they compile at start-up and on the request path)
 #   h200.sh v4prep          v4release + v4convert in the background (right after boot: they
 #                           need only boot's wheels), logged to logs/v4prep.log; `serve v4*`
 #                           waits for it
@@ -36,7 +39,7 @@
 #
 # .stage/ comes from benchmarks/serve_h200/stage.py on a machine with network.
 set -uo pipefail
-step=${1:?boot|take|install|weights|serve|wait|check|compare|warm|profile|v4release|v4convert|v4prep|v4probe|sweep|stop|collect}; shift
+step=${1:?boot|take|install|weights|serve|wait|check|compare|warm|profile|v4release|v4convert|v4prep|v4mhc|v4probe|sweep|stop|collect}; shift
 cd "$(dirname "$0")/../.."
 repo=$PWD
 SH=${SH:-/tmp/serve_h200}
@@ -50,6 +53,8 @@ export PYTHONPATH=$SITE:$SITE/nvidia_cutlass_dsl/dsl_packages PATH=$SITE/bin:$PA
 # every server and by `kernels build` (the patched kernels' names differ from stock ones).
 export FLASHINFER_WORKSPACE_BASE=$SH/jit VLLM_H20_CACHE_DIR=$SH/vllm-h20
 export TRTLLM_DG_CACHE_DIR=$SH/deepgemm
+# DeepSeek-V4's mHC kernels (TileLang JIT): `v4mhc` compiles them here, every server reads them.
+export TILELANG_CACHE_DIR=$SH/tilelang
 TRTLLM_DG_NVCC_COMPILER=${TRTLLM_DG_NVCC_COMPILER:-$(command -v nvcc || echo /usr/local/cuda/bin/nvcc)}
 export TRTLLM_DG_NVCC_COMPILER
 # The FP8 linears on vLLM's precompiled CUTLASS block-scale kernel in every server: its
@@ -259,6 +264,15 @@ v4convert)
     du -sh "$V4FP8"; df -h "$SH" | tail -n 1
     exit $rc
     ;;
+v4mhc)
+    for _ in $(seq 300); do [ -f "$(ready_of v4hum)" ] && break; running v4prep || break; sleep 1; done
+    [ -f "$V4REL/config.json" ] || { echo "v4mhc: no release in $V4REL (v4release first)"; exit 1; }
+    python3 benchmarks/journey_h200/mhc_precompile.py "$V4REL" --json "$SH/check/mhc-precompile.json" \
+        > "$SH/logs/mhc-precompile.log" 2>&1
+    rc=$?
+    grep -v "^\s*$" "$SH/logs/mhc-precompile.log" | tail -n 4
+    exit $rc
+    ;;
 v4prep)
     running v4prep && { echo "v4prep: running"; tail -n 2 "$SH/logs/v4prep.log"; exit 0; }
     if [ -f "$V4FP8/model.safetensors.index.json" ]; then
@@ -313,6 +327,8 @@ collect)
     # When each DeepGEMM kernel was compiled: a kernel compiled while serving stalls the server.
     find "$TRTLLM_DG_CACHE_DIR" -type f -printf '%TY-%Tm-%Td %TH:%TM:%.2TS %s %P\n' 2>/dev/null \
         | sort > "$SH/logs/deepgemm-cache.txt"
+    find "$TILELANG_CACHE_DIR" -mindepth 1 -maxdepth 1 -printf '%TY-%Tm-%Td %TH:%TM:%.2TS %P\n' \
+        2>/dev/null | sort > "$SH/logs/tilelang-cache.txt"
     tar -czf "$OUT/serve_h200.tar.gz" -C "$SH" logs check runs
     ls -l "$OUT"
     ;;
