@@ -34,12 +34,16 @@
 #                           conversion, FlashInfer CUTLASS + fix), v4stock (8013: same, stock),
 #                           v4marlin (8014: the release on Marlin, W4A16: how far activation
 #                           rounding alone moves it, or the baseline if Humming cannot run)
+#   h200.sh jitsave OUT     the JIT caches (TileLang, vLLM's DeepGEMM, Triton, FlashInfer's
+#                           DeepGEMM, autotune) -> OUT/jit-cache.tgz[.NN] (15 MiB pieces)
+#   h200.sh jitload [DIR]   restore them from DIR (default .stage: carry them with boot.tar);
+#                           boot does this first
 #   h200.sh stop NAME       stop a server
 #   h200.sh collect OUT     results (no traces) -> OUT/serve_h200.tar.gz
 #
 # .stage/ comes from benchmarks/serve_h200/stage.py on a machine with network.
 set -uo pipefail
-step=${1:?boot|take|install|weights|serve|wait|check|compare|warm|profile|v4release|v4convert|v4prep|v4mhc|v4probe|sweep|stop|collect}; shift
+step=${1:?boot|take|install|weights|serve|wait|check|compare|warm|profile|v4release|v4convert|v4prep|v4mhc|v4probe|sweep|jitsave|jitload|stop|collect}; shift
 cd "$(dirname "$0")/../.."
 repo=$PWD
 SH=${SH:-/tmp/serve_h200}
@@ -55,6 +59,11 @@ export FLASHINFER_WORKSPACE_BASE=$SH/jit VLLM_H20_CACHE_DIR=$SH/vllm-h20
 export TRTLLM_DG_CACHE_DIR=$SH/deepgemm
 # DeepSeek-V4's mHC kernels (TileLang JIT): `v4mhc` compiles them here, every server reads them.
 export TILELANG_CACHE_DIR=$SH/tilelang
+# vLLM's own caches (its vendored DeepGEMM's JIT kernels, FlashInfer's autotune configs) and
+# Triton's, under $SH too: `jitsave` brings them back and the next lease's `boot` restores them,
+# so kernels compiled once are not compiled on the next lease's request path.
+export VLLM_CACHE_ROOT=$SH/vllm-cache TRITON_CACHE_DIR=$SH/triton
+JIT_DIRS=(tilelang vllm-cache triton deepgemm)
 TRTLLM_DG_NVCC_COMPILER=${TRTLLM_DG_NVCC_COMPILER:-$(command -v nvcc || echo /usr/local/cuda/bin/nvcc)}
 export TRTLLM_DG_NVCC_COMPILER
 # The FP8 linears on vLLM's precompiled CUTLASS block-scale kernel in every server: its
@@ -97,6 +106,7 @@ running() { [ -f "$SH/$1.pid" ] && kill -0 "$(cat "$SH/$1.pid")" 2>/dev/null; }
 
 case $step in
 boot)
+    bash "$repo/benchmarks/serve_h200/h200.sh" jitload
     if [ ! -f "$SH/stage/.boot" ]; then
         mkdir -p "$SH/stage" && tar -xf .stage/boot.tar -C "$SH/stage" || exit 1
         python3 -m pip install -q --no-index --no-deps --no-compile --target "$SITE" \
@@ -256,6 +266,9 @@ v4convert)
         cp "$V4FP8"/*report*.json "$SH/logs/" 2>/dev/null
     fi
     touch "$(ready_of v4fix)"  # the servers may start while verify reads the checkpoints
+    # V4VERIFY=0: no verify (its 8 processes slow the servers' start-up beside them; lease 2
+    # measured it on this machine).
+    [ "${V4VERIFY:-1}" = 0 ] && { echo "verify: skipped (V4VERIFY=0)" | tee -a "$SH/logs/v4-convert.txt"; exit 0; }
     s0=$(date +%s)
     vllm-h20 verify "$V4REL" "$V4FP8" > "$SH/logs/v4-verify.txt" 2>&1
     rc=$?
@@ -280,7 +293,7 @@ v4prep)
         exit 0
     fi
     setsid bash -c "bash $repo/benchmarks/serve_h200/h200.sh v4release && \
-        bash $repo/benchmarks/serve_h200/h200.sh v4convert" \
+        V4VERIFY=${V4VERIFY:-1} bash $repo/benchmarks/serve_h200/h200.sh v4convert" \
         < /dev/null > "$SH/logs/v4prep.log" 2>&1 &
     echo $! > "$SH/v4prep.pid"
     echo "v4prep: started (logs/v4prep.log)"
@@ -306,6 +319,28 @@ sweep)
     vllm-h20 bench sweep "$spec" "${targets[@]}" --tokenizer "$(model_of "$1")" \
         --out "$SH/runs/$name" "${resume[@]}"
     ;;
+jitsave)
+    OUT=${1:?out dir}; mkdir -p "$OUT"
+    dirs=(); for d in "${JIT_DIRS[@]}"; do [ -d "$SH/$d" ] && dirs+=("$d"); done
+    [ ${#dirs[@]} -gt 0 ] || { echo "jitsave: no JIT cache under $SH"; exit 1; }
+    rm -f "$OUT"/jit-cache.tgz*
+    # The device tool returns files of at most 16 MiB: one piece, or 15 MiB pieces.
+    tar -czf - -C "$SH" --exclude='tmp' "${dirs[@]}" | split -b 15M -d -a 2 - "$OUT/jit-cache.tgz."
+    [ "$(ls "$OUT"/jit-cache.tgz.* | wc -l)" = 1 ] && mv "$OUT/jit-cache.tgz.00" "$OUT/jit-cache.tgz"
+    du -sh "${dirs[@]/#/$SH/}" 2>/dev/null; ls -l "$OUT"/jit-cache.tgz*
+    ;;
+jitload)
+    src=${1:-.stage}
+    ls "$src"/jit-cache.tgz* >/dev/null 2>&1 || exit 0  # nothing carried: cold caches
+    [ -f "$SH/jit.loaded" ] && exit 0
+    # Into a folder of its own first: a damaged archive leaves no truncated kernel behind.
+    rm -rf "$SH/jit.new" && mkdir -p "$SH/jit.new"
+    if ! cat "$src"/jit-cache.tgz* | tar -xz -C "$SH/jit.new" 2>/dev/null; then
+        rm -rf "$SH/jit.new"; echo "jitload: $src/jit-cache.tgz* is damaged; not restored"; exit 1
+    fi
+    cp -a "$SH/jit.new/." "$SH/" && rm -rf "$SH/jit.new" && touch "$SH/jit.loaded"
+    echo "jitload: restored $(cd "$SH" && du -sh "${JIT_DIRS[@]}" 2>/dev/null | tr '\n' ' ')"
+    ;;
 stop)
     # The server is a session leader (setsid): end its whole process group, engine core too.
     for n in "$@"; do
@@ -327,8 +362,12 @@ collect)
     # When each DeepGEMM kernel was compiled: a kernel compiled while serving stalls the server.
     find "$TRTLLM_DG_CACHE_DIR" -type f -printf '%TY-%Tm-%Td %TH:%TM:%.2TS %s %P\n' 2>/dev/null \
         | sort > "$SH/logs/deepgemm-cache.txt"
-    find "$TILELANG_CACHE_DIR" -mindepth 1 -maxdepth 1 -printf '%TY-%Tm-%Td %TH:%TM:%.2TS %P\n' \
+    find "$TILELANG_CACHE_DIR" -mindepth 2 -maxdepth 2 -printf '%TY-%Tm-%Td %TH:%TM:%.2TS %P\n' \
         2>/dev/null | sort > "$SH/logs/tilelang-cache.txt"
+    # vLLM's vendored DeepGEMM: each kernel's directory, when it was compiled (V4's linears, O
+    # projection and indexer; compiled on first use unless a cache came with jitload).
+    find "$VLLM_CACHE_ROOT/deep_gemm" -type f -printf '%TY-%Tm-%Td %TH:%TM:%.2TS %s %P\n' \
+        2>/dev/null | sort > "$SH/logs/vllm-deepgemm-cache.txt"
     tar -czf "$OUT/serve_h200.tar.gz" -C "$SH" logs check runs
     ls -l "$OUT"
     ;;

@@ -90,8 +90,10 @@ def summary(root: Path, reports: dict[str, Path], title: str = TITLE) -> str:
         text = p.read_text(errors="replace")
         picked = [ln.split("] ", 1)[-1] for ln in text.splitlines()
                   if "vllm-h20:" in ln and "EngineCore" in ln]  # fmt: skip
-        backend = re.search(r"Using (\w+) Fp8 MoE backend", text)
-        lines.append(f"- **{n}** (MoE backend {backend.group(1) if backend else '?'}):")
+        # FP8 checkpoints log "Using X Fp8 MoE backend", MXFP4 ones "Using 'X' Mxfp4 MoE backend".
+        backend = re.search(r"Using '?(\w+)'? (Fp8|Mxfp4) MoE backend", text)
+        kind = f" {backend.group(2).upper()}" if backend and backend.group(2) != "Fp8" else ""
+        lines.append(f"- **{n}** (MoE backend {backend.group(1) if backend else '?'}{kind}):")
         lines += [f"  - `{x[:300]}`" for x in dict.fromkeys(picked)]
         if backend and backend.group(1) != "FLASHINFER_CUTLASS":
             lines.append("  - the plugin is loaded, but this MoE backend never calls FlashInfer's "

@@ -1,10 +1,16 @@
 """CPU checks for benchmarks/journey_h200/: the V4 configs the GPU probe serves are the ones
-our synth and converter write today."""
+our synth and converter write today, the mHC precompile's variants and config, and the
+published leases rebuilding from their own run files."""
 
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
+import tarfile
 from pathlib import Path
+
+import pytest
 
 from tests.benchmarks import load_script
 
@@ -63,9 +69,27 @@ def test_mhc_precompile_takes_its_scalars_from_the_v4_config(tmp_path):
     assert cfg == {k: release[k] for k in cfg} and cfg["hc_sinkhorn_iters"] == 20
     del release["hc_eps"]
     (tmp_path / "config.json").write_text(json.dumps(release))
-    try:
+    with pytest.raises(SystemExit, match=f"{tmp_path / 'config.json'} lacks hc_eps"):
         pre._model_config(tmp_path)
-    except SystemExit as e:
-        assert "lacks hc_eps" in str(e) and str(tmp_path / "config.json") in str(e)
-    else:
-        raise AssertionError("a config without hc_eps was accepted")
+
+
+def test_published_lease_rebuilds_from_its_own_run_files(tmp_path):
+    """report.py on a tarball of lease 2's published check/, runs/ and logs/ reproduces its
+    summary (which names Humming's MXFP4 backend for the release) and its decode report."""
+    pytest.importorskip("guidellm")
+    published = ROOT / "benchmarks" / "results" / "journey_h200" / "v4-lease2-decode-partial"
+    tarball = tmp_path / "serve_h200.tar.gz"
+    with tarfile.open(tarball, "w:gz") as t:
+        for sub in ("check", "runs", "logs"):
+            t.add(published / sub, arcname=sub)
+    summary = (published / "summary.md").read_text()
+    title = summary.splitlines()[0].removeprefix("# ")
+    out = tmp_path / "out"
+    res = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "serve_h200" / "report.py"),
+                          str(tarball), str(out), "--baseline", "v4hum", "--title", title],
+                         capture_output=True, text=True, cwd=ROOT, timeout=600)  # fmt: skip
+    assert res.returncode == 0, res.stderr
+    assert (out / "summary.md").read_text() == summary
+    assert "**v4hum** (MoE backend HUMMING MXFP4)" in summary
+    report = (out / "decode" / "report.md").read_text()
+    assert report == (published / "decode" / "report.md").read_text()

@@ -409,3 +409,44 @@ def test_device_script_install_keeps_every_file_of_wheels_sharing_a_folder(tmp_p
     assert sorted(p.name for p in shared.iterdir()) == ["a.py", "b.py", "boot.py"]
     assert (sh / "site" / "bin" / "vllm").is_file() and (sh / "stage" / ".installed").exists()
     assert not (sh / "site.new").exists()
+
+
+def test_device_script_brings_jit_caches_back_and_restores_them_once(tmp_path):
+    """`jitsave` packs the JIT caches (in pieces the device tool returns, at most 16 MiB each),
+    `jitload` on a fresh machine restores them byte for byte, once; nothing carried, nothing
+    done; a damaged piece is refused by name and restores nothing."""
+    script = HERE / "h200.sh"
+    lease = tmp_path / "lease"
+    for rel, size in {"tilelang/0.1.9-x86_64/k1/kernel.so": 20 << 20,  # incompressible
+                      "vllm-cache/deep_gemm/cache/kernel.a/kernel.cubin": 1000,
+                      "triton/abc/x.json": 10, "deepgemm/cache/g/nvcc_kernel.cubin": 10,
+                      "tilelang/tmp/partial": 10}.items():  # fmt: skip
+        p = lease / rel
+        p.parent.mkdir(parents=True, exist_ok=True)
+        p.write_bytes(np.random.default_rng(size).bytes(size))
+
+    def run(sh: Path, *args: str) -> subprocess.CompletedProcess:
+        env = {"SH": str(sh), "PATH": "/usr/bin:/bin"}
+        return subprocess.run(["bash", str(script), *args], capture_output=True, text=True,
+                              env=env, timeout=120)  # fmt: skip
+
+    out = tmp_path / "out"
+    res = run(lease, "jitsave", str(out))
+    assert res.returncode == 0, res.stdout + res.stderr
+    pieces = sorted(out.glob("jit-cache.tgz*"))
+    assert len(pieces) == 2 and all(p.stat().st_size <= 15 << 20 for p in pieces)
+    fresh = tmp_path / "fresh"
+    assert run(fresh, "jitload", str(tmp_path / "nothing")).returncode == 0
+    assert not (fresh / "tilelang").exists()
+    res = run(fresh, "jitload", str(out))
+    assert res.returncode == 0 and "jitload: restored" in res.stdout, res.stdout + res.stderr
+    for f in lease.rglob("*"):
+        if f.is_file() and "tmp" not in f.parts:
+            assert (fresh / f.relative_to(lease)).read_bytes() == f.read_bytes()
+    assert not (fresh / "tilelang" / "tmp").exists()  # TileLang's half-written kernels stay
+    assert run(fresh, "jitload", str(out)).stdout == ""  # once per machine
+    other = tmp_path / "other"
+    pieces[-1].write_bytes(pieces[-1].read_bytes()[:1000])
+    res = run(other, "jitload", str(out))
+    assert res.returncode == 1 and f"jitload: {out}/jit-cache.tgz* is damaged" in res.stdout
+    assert not (other / "tilelang").exists() and not (other / "jit.new").exists()
