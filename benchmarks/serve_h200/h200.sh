@@ -364,7 +364,7 @@ collect)
         | sort > "$SH/logs/deepgemm-cache.txt"
     find "$TILELANG_CACHE_DIR" -mindepth 2 -maxdepth 2 -printf '%TY-%Tm-%Td %TH:%TM:%.2TS %P\n' \
         2>/dev/null | sort > "$SH/logs/tilelang-cache.txt"
-    # vLLM's vendored DeepGEMM: each kernel's directory, when it was compiled (V4's linears, O
+    # vLLM's vendored DeepGEMM: each kernel file, when it was compiled (V4's linears, O
     # projection and indexer; compiled on first use unless a cache came with jitload).
     find "$VLLM_CACHE_ROOT/deep_gemm" -type f -printf '%TY-%Tm-%Td %TH:%TM:%.2TS %s %P\n' \
         2>/dev/null | sort > "$SH/logs/vllm-deepgemm-cache.txt"
