@@ -36,8 +36,9 @@
 #                           rounding alone moves it, or the baseline if Humming cannot run)
 #   h200.sh jitsave OUT     the JIT caches (TileLang, vLLM's DeepGEMM, Triton, FlashInfer's
 #                           DeepGEMM, autotune) -> OUT/jit-cache.tgz[.NN] (15 MiB pieces)
-#   h200.sh jitload [DIR]   restore them from DIR (default .stage: carry them with boot.tar);
-#                           boot does this first
+#   h200.sh jitload [DIR]   restore them from DIR (default .stage: carried with boot.tar; boot
+#                           does this first); `install` restores those staged with the wheels
+#                           (stage.py --jit-cache DIR)
 #   h200.sh stop NAME       stop a server
 #   h200.sh collect OUT     results (no traces) -> OUT/serve_h200.tar.gz
 #
@@ -131,6 +132,10 @@ install)
         have=$(ls "$SH/pieces" | wc -l)
         [ "$have" = "$want" ] || { echo "have $have of $want pieces"; exit 1; }
         cat "$SH"/pieces/piece-* | tar -x -C "$SH/stage" || exit 1
+        # A previous lease's JIT caches, when staged with them (stage.py --jit-cache).
+        if [ -d "$SH/stage/jit" ]; then
+            bash "$repo/benchmarks/serve_h200/h200.sh" jitload "$SH/stage/jit" || exit 1
+        fi
         # pip --target skips every top-level folder the target already holds ("already
         # exists"), so wheels sharing one lose files (CuTe DSL's three share nvidia_cutlass_dsl/:
         # the journey's first lease lost `cutlass.cute` that way). One pip run into an empty

@@ -6,7 +6,8 @@ so that each device call carries one piece under its 64 MiB limit, the working t
   building the fix modules while the rest travels;
 - `.stage/piece-NN`: the other wheels, one tar split into pieces sized so that a piece and the
   working tree (tracked and untracked files, which travel with every call) fit 64 MiB
-  (`h200.sh take` moves each away on arrival; `h200.sh install` joins them).
+  (`h200.sh take` moves each away on arrival; `h200.sh install` joins them); with
+  `--jit-cache DIR`, a previous lease's JIT caches (`h200.sh jitsave`) travel in them too.
 
     python benchmarks/serve_h200/stage.py   # then carry .stage/boot.tar, .stage/piece-00, ...
 """
@@ -80,15 +81,28 @@ def _wanted(wheel: str, reqs: list[str]) -> bool:
                for r in reqs if "==" in r)  # fmt: skip
 
 
+def jit_pieces(d: Path) -> list[Path]:
+    """The pieces of one `h200.sh jitsave` (jit-cache.tgz, or .00, .01, ...), in order."""
+    found = sorted(d.glob("jit-cache.tgz*"))
+    if not found:
+        raise SystemExit(f"stage: --jit-cache {d}: no jit-cache.tgz* there (what `h200.sh "
+                         "jitsave OUT` writes to OUT)")  # fmt: skip
+    return found
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--stage", type=Path, default=REPO / ".stage")
     ap.add_argument("--layers", type=int, default=None, help="model layers (make_model.py)")
     ap.add_argument("--extra", type=Path, action="append", default=[],
                     help="another wheel list (benchmarks/journey_h200/wheels.txt)")  # fmt: skip
+    ap.add_argument("--jit-cache", type=Path, default=None, metavar="DIR",
+                    help="a previous lease's JIT caches (the jit-cache.tgz* `h200.sh jitsave` "
+                         "wrote): packed with the wheels, restored by `install`")  # fmt: skip
     ap.add_argument("--piece-mib", type=int, default=None,
                     help="piece size (default: what fits beside the working tree)")  # fmt: skip
     a = ap.parse_args(argv)
+    jit = jit_pieces(a.jit_cache) if a.jit_cache else []
     piece = a.piece_mib << 20 if a.piece_mib else piece_bytes(tree_bytes())
     st = a.stage
     wheels, boot = st / "wheels", st / "boot"
@@ -112,6 +126,8 @@ def main(argv: list[str] | None = None) -> None:
     with tarfile.open(bundle, "w") as t:
         for w in rest:
             t.add(w, arcname=f"wheels/{w.name}")
+        for j in jit:
+            t.add(j, arcname=f"jit/{j.name}")
     for old in st.glob("piece-*"):
         old.unlink()
     n = 0
@@ -126,7 +142,7 @@ def main(argv: list[str] | None = None) -> None:
         t.add(model, arcname="model")
     size = (st / "boot.tar").stat().st_size
     print(f"{st}/boot.tar ({size / 2**20:.1f} MiB) and {n} pieces of <= {piece >> 20} MiB "
-          f"({len(rest)} wheels)")  # fmt: skip
+          f"({len(rest)} wheels{', the JIT caches' if jit else ''})")  # fmt: skip
 
 
 if __name__ == "__main__":

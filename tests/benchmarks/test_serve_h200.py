@@ -125,6 +125,8 @@ def test_stage_sizes_pieces_beside_the_working_tree_and_keeps_only_pinned_wheels
     assert not stage._wanted("vllm-0.25.0-cp38-abi3-manylinux_2_28_x86_64.whl", reqs)
     with pytest.raises(SystemExit, match="--extra nope.txt: no such wheel list"):
         stage.requirements([Path("nope.txt")])
+    with pytest.raises(SystemExit, match="no jit-cache.tgz"):
+        stage.jit_pieces(ROOT)
 
 
 def test_device_script_v4_steps_synthesize_convert_and_verify(tmp_path):
@@ -386,16 +388,26 @@ def _wheel(d: Path, name: str, files: dict[str, str]) -> None:
 def test_device_script_install_keeps_every_file_of_wheels_sharing_a_folder(tmp_path):
     """CuTe DSL's wheels all write into nvidia_cutlass_dsl/, and pip --target skips a folder
     that is already there: the journey's first lease lost `cutlass.cute` that way. Install
-    merges instead, into the boot step's site folder too."""
+    merges instead, into the boot step's site folder too; JIT caches staged with the wheels
+    (stage.py --jit-cache) are restored."""
     sh = tmp_path / "sh"
     wheels = tmp_path / "pack" / "wheels"
     wheels.mkdir(parents=True)
     _wheel(wheels, "first", {"shared/a.py": "A = 1\n"})
     _wheel(wheels, "second", {"shared/b.py": "B = 2\n"})
     _wheel(wheels, "vllm", {"vllm/__init__.py": "__version__ = '0.26.0'\n"})
+    cache = tmp_path / "lease" / "tilelang" / "0.1.9-x86_64" / "k1"
+    cache.mkdir(parents=True)
+    (cache / "kernel.so").write_bytes(b"\x7fELF compiled")
+    jit = tmp_path / "out" / "jit-cache.tgz"  # a previous lease's `jitsave`, staged
+    jit.parent.mkdir()
+    with tarfile.open(jit, "w:gz") as t:
+        t.add(tmp_path / "lease" / "tilelang", arcname="tilelang")
     (sh / "pieces").mkdir(parents=True)
     with tarfile.open(sh / "pieces" / "piece-00", "w") as t:
         t.add(wheels, arcname="wheels")
+        for j in stage.jit_pieces(jit.parent):
+            t.add(j, arcname=f"jit/{j.name}")
     (sh / "stage" / "boot").mkdir(parents=True)
     (sh / "stage" / "boot" / "pieces.txt").write_text("1\n")
     (sh / "site" / "shared").mkdir(parents=True)
@@ -409,6 +421,8 @@ def test_device_script_install_keeps_every_file_of_wheels_sharing_a_folder(tmp_p
     assert sorted(p.name for p in shared.iterdir()) == ["a.py", "b.py", "boot.py"]
     assert (sh / "site" / "bin" / "vllm").is_file() and (sh / "stage" / ".installed").exists()
     assert not (sh / "site.new").exists()
+    restored = sh / "tilelang" / "0.1.9-x86_64" / "k1" / "kernel.so"
+    assert restored.read_bytes() == b"\x7fELF compiled" and (sh / "jit.loaded").exists()
 
 
 def test_device_script_brings_jit_caches_back_and_restores_them_once(tmp_path):
