@@ -104,6 +104,11 @@ healthy() { curl -sf -m 2 "localhost:$(port "$1")/health" >/dev/null; }
 # Whether a background step (v4prep, v4probe) still runs: its pid file, not pgrep -f, since a
 # caller's own command line may name the step.
 running() { [ -f "$SH/$1.pid" ] && kill -0 "$(cat "$SH/$1.pid")" 2>/dev/null; }
+# Wait up to $2 s for server $1's checkpoint to be marked complete, while v4prep still runs.
+await_ready() { for _ in $(seq "$2"); do [ -f "$(ready_of "$1")" ] && break; running v4prep || break; sleep 1; done; }
+# Cache entries with their modification times (when each kernel was compiled), oldest first.
+list_by_time() { local dir=$1 out=$2; shift 2
+    find "$dir" "$@" -printf '%TY-%Tm-%Td %TH:%TM:%.2TS %s %P\n' 2>/dev/null | sort > "$SH/logs/$out"; }
 
 case $step in
 boot)
@@ -177,7 +182,7 @@ serve)
               --profiler-config "{\"profiler\": \"torch\", \"torch_profiler_dir\": \"$SH/prof/$n\", \"torch_profiler_with_stack\": false, \"ignore_frontend\": true, \"delay_iterations\": 8, \"max_iterations\": 12}")
         m=$(model_of "$n")
         case $n in v4*)  # the checkpoint may still be in the making (v4prep); verify may not
-            for _ in $(seq 540); do [ -f "$(ready_of "$n")" ] && break; running v4prep || break; sleep 1; done ;;
+            await_ready "$n" 540 ;;
         esac
         [ -f "$m/model.safetensors.index.json" ] || case $n in v4*)
             echo "$n: no checkpoint in $m (v4release / v4convert first)"; exit 1 ;; esac
@@ -283,7 +288,7 @@ v4convert)
     exit $rc
     ;;
 v4mhc)
-    for _ in $(seq 300); do [ -f "$(ready_of v4hum)" ] && break; running v4prep || break; sleep 1; done
+    await_ready v4hum 300
     [ -f "$V4REL/config.json" ] || { echo "v4mhc: no release in $V4REL (v4release first)"; exit 1; }
     python3 benchmarks/journey_h200/mhc_precompile.py "$V4REL" --json "$SH/check/mhc-precompile.json" \
         > "$SH/logs/mhc-precompile.log" 2>&1
@@ -365,14 +370,11 @@ collect)
     python3 -c "import torch; print('torch', torch.__version__, torch.version.cuda)" >> "$SH/logs/site-packages.txt"
     cp "$SH/build.json" "$SH/logs/" 2>/dev/null
     # When each DeepGEMM kernel was compiled: a kernel compiled while serving stalls the server.
-    find "$TRTLLM_DG_CACHE_DIR" -type f -printf '%TY-%Tm-%Td %TH:%TM:%.2TS %s %P\n' 2>/dev/null \
-        | sort > "$SH/logs/deepgemm-cache.txt"
-    find "$TILELANG_CACHE_DIR" -mindepth 2 -maxdepth 2 -printf '%TY-%Tm-%Td %TH:%TM:%.2TS %P\n' \
-        2>/dev/null | sort > "$SH/logs/tilelang-cache.txt"
+    list_by_time "$TRTLLM_DG_CACHE_DIR" deepgemm-cache.txt -type f
+    list_by_time "$TILELANG_CACHE_DIR" tilelang-cache.txt -mindepth 2 -maxdepth 2
     # vLLM's vendored DeepGEMM: each kernel file, when it was compiled (V4's linears, O
     # projection and indexer; compiled on first use unless a cache came with jitload).
-    find "$VLLM_CACHE_ROOT/deep_gemm" -type f -printf '%TY-%Tm-%Td %TH:%TM:%.2TS %s %P\n' \
-        2>/dev/null | sort > "$SH/logs/vllm-deepgemm-cache.txt"
+    list_by_time "$VLLM_CACHE_ROOT/deep_gemm" vllm-deepgemm-cache.txt -type f
     tar -czf "$OUT/serve_h200.tar.gz" -C "$SH" logs check runs
     ls -l "$OUT"
     ;;
