@@ -67,6 +67,8 @@ def test_mhc_precompile_takes_its_scalars_from_the_v4_config(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(release))
     cfg = pre._model_config(tmp_path)
     assert cfg == {k: release[k] for k in cfg} and cfg["hc_sinkhorn_iters"] == 20
+    with pytest.raises(SystemExit, match=f"cannot read {tmp_path / 'none' / 'config.json'}"):
+        pre._model_config(tmp_path / "none")
     del release["hc_eps"]
     (tmp_path / "config.json").write_text(json.dumps(release))
     with pytest.raises(SystemExit, match=f"{tmp_path / 'config.json'} lacks hc_eps"):

@@ -428,7 +428,7 @@ def test_device_script_install_keeps_every_file_of_wheels_sharing_a_folder(tmp_p
 def test_device_script_brings_jit_caches_back_and_restores_them_once(tmp_path):
     """`jitsave` packs the JIT caches (in pieces the device tool returns, at most 16 MiB each),
     `jitload` on a fresh machine restores them byte for byte, once; nothing carried, nothing
-    done; a damaged piece is refused by name and restores nothing."""
+    done; a damaged piece is refused by name and restores nothing; no cache, no archive."""
     script = HERE / "h200.sh"
     lease = tmp_path / "lease"
     for rel, size in {"tilelang/0.1.9-x86_64/k1/kernel.so": 20 << 20,  # incompressible
@@ -444,6 +444,8 @@ def test_device_script_brings_jit_caches_back_and_restores_them_once(tmp_path):
         return subprocess.run(["bash", str(script), *args], capture_output=True, text=True,
                               env=env, timeout=120)  # fmt: skip
 
+    res = run(tmp_path / "bare", "jitsave", str(tmp_path / "nowhere"))
+    assert res.returncode == 1 and f"jitsave: no JIT cache under {tmp_path / 'bare'}" in res.stdout
     out = tmp_path / "out"
     res = run(lease, "jitsave", str(out))
     assert res.returncode == 0, res.stdout + res.stderr
