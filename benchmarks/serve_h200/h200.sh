@@ -27,6 +27,9 @@
 #   h200.sh v4mhc           compile vLLM 0.26's V4 mHC TileLang kernels for every batch size,
 #                           14 at a time, into the cache the servers read (before `serve v4*`:
 #                           otherwise they compile at start-up and on the request path)
+#   h200.sh v4dg            the same for vLLM's DeepGEMM kernels of V4's FP8 linears and O
+#                           projection, every token count up to 8,192 (journey lease 3 compiled
+#                           54 of them during its decode sweep)
 #   h200.sh v4prep          v4release + v4convert in the background (right after boot: they
 #                           need only boot's wheels), logged to logs/v4prep.log; `serve v4*`
 #                           waits for it
@@ -44,7 +47,7 @@
 #
 # .stage/ comes from benchmarks/serve_h200/stage.py on a machine with network.
 set -uo pipefail
-step=${1:?boot|take|install|weights|serve|wait|check|compare|warm|profile|v4release|v4convert|v4prep|v4mhc|v4probe|sweep|jitsave|jitload|stop|collect}; shift
+step=${1:?boot|take|install|weights|serve|wait|check|compare|warm|profile|v4release|v4convert|v4prep|v4mhc|v4dg|v4probe|sweep|jitsave|jitload|stop|collect}; shift
 cd "$(dirname "$0")/../.."
 repo=$PWD
 SH=${SH:-/tmp/serve_h200}
@@ -106,6 +109,16 @@ healthy() { curl -sf -m 2 "localhost:$(port "$1")/health" >/dev/null; }
 running() { [ -f "$SH/$1.pid" ] && kill -0 "$(cat "$SH/$1.pid")" 2>/dev/null; }
 # Wait up to $2 s for server $1's checkpoint to be marked complete, while v4prep still runs.
 await_ready() { for _ in $(seq "$2"); do [ -f "$(ready_of "$1")" ] && break; running v4prep || break; sleep 1; done; }
+# A journey precompile script on the release's config.json (the conversion's is the same model),
+# before the servers start: its JSON under check/, its log under logs/ (name $3).
+precompile() { local step=$1 script=$2 name=$3 rc
+    await_ready v4hum 300
+    [ -f "$V4REL/config.json" ] || { echo "$step: no release in $V4REL (v4release first)"; return 1; }
+    python3 "benchmarks/journey_h200/$script.py" "$V4REL" --json "$SH/check/$name.json" \
+        > "$SH/logs/$name.log" 2>&1
+    rc=$?
+    grep -v "^\s*$" "$SH/logs/$name.log" | tail -n 4
+    return $rc; }
 # Cache entries with their modification times (when each kernel was compiled), oldest first.
 list_by_time() { local dir=$1 out=$2; shift 2
     find "$dir" "$@" -printf '%TY-%Tm-%Td %TH:%TM:%.2TS %s %P\n' 2>/dev/null | sort > "$SH/logs/$out"; }
@@ -288,13 +301,10 @@ v4convert)
     exit $rc
     ;;
 v4mhc)
-    await_ready v4hum 300
-    [ -f "$V4REL/config.json" ] || { echo "v4mhc: no release in $V4REL (v4release first)"; exit 1; }
-    python3 benchmarks/journey_h200/mhc_precompile.py "$V4REL" --json "$SH/check/mhc-precompile.json" \
-        > "$SH/logs/mhc-precompile.log" 2>&1
-    rc=$?
-    grep -v "^\s*$" "$SH/logs/mhc-precompile.log" | tail -n 4
-    exit $rc
+    precompile v4mhc mhc_precompile mhc-precompile
+    ;;
+v4dg)
+    precompile v4dg deepgemm_precompile deepgemm-precompile
     ;;
 v4prep)
     running v4prep && { echo "v4prep: running"; tail -n 2 "$SH/logs/v4prep.log"; exit 0; }
@@ -375,6 +385,11 @@ collect)
     # vLLM's vendored DeepGEMM: each kernel file, when it was compiled (V4's linears, O
     # projection and indexer; compiled on first use unless a cache came with jitload).
     list_by_time "$VLLM_CACHE_ROOT/deep_gemm" vllm-deepgemm-cache.txt -type f
+    # ... and the configuration of each (shape, blocks, stages): which GEMM compiled when.
+    python3 benchmarks/journey_h200/deepgemm_precompile.py --list "$VLLM_CACHE_ROOT/deep_gemm" \
+        > "$SH/logs/vllm-deepgemm-kernels.txt" 2>&1
+    # Triton's kernels (one metadata JSON each): `stalls.py` counts both per sweep cell.
+    list_by_time "$TRITON_CACHE_DIR" triton-cache.txt -name '*.json' ! -name '__grp__*'
     tar -czf "$OUT/serve_h200.tar.gz" -C "$SH" logs check runs
     ls -l "$OUT"
     ;;

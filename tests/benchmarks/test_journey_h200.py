@@ -1,6 +1,7 @@
 """CPU checks for benchmarks/journey_h200/: the V4 configs the GPU probe serves are the ones
-our synth and converter write today, the mHC precompile's variants and config, and the
-published leases rebuilding from their own run files."""
+our synth and converter write today, the mHC and DeepGEMM precompiles' variants, shapes and
+config errors, the stall count per sweep cell, and the published leases rebuilding from their
+own run files."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from tests.benchmarks import load_script
 
 ROOT = Path(__file__).resolve().parents[2]
 HERE = ROOT / "benchmarks" / "journey_h200"
+RESULTS = ROOT / "benchmarks" / "results" / "journey_h200"
 
 
 def _load(name: str):
@@ -75,11 +77,12 @@ def test_mhc_precompile_takes_its_scalars_from_the_v4_config(tmp_path):
         pre._model_config(tmp_path)
 
 
-def test_published_lease_rebuilds_from_its_own_run_files(tmp_path):
-    """report.py on a tarball of lease 2's published check/, runs/ and logs/ reproduces its
+@pytest.mark.parametrize("lease", ["v4-lease2-decode-partial", "v4-lease3-decode-stalled"])
+def test_published_lease_rebuilds_from_its_own_run_files(tmp_path, lease):
+    """report.py on a tarball of a lease's published check/, runs/ and logs/ reproduces its
     summary (which names Humming's MXFP4 backend for the release) and its decode report."""
     pytest.importorskip("guidellm")
-    published = ROOT / "benchmarks" / "results" / "journey_h200" / "v4-lease2-decode-partial"
+    published = RESULTS / lease
     tarball = tmp_path / "serve_h200.tar.gz"
     with tarfile.open(tarball, "w:gz") as t:
         for sub in ("check", "runs", "logs"):
@@ -95,3 +98,119 @@ def test_published_lease_rebuilds_from_its_own_run_files(tmp_path):
     assert "**v4hum** (MoE backend HUMMING MXFP4)" in summary
     report = (out / "decode" / "report.md").read_text()
     assert report == (published / "decode" / "report.md").read_text()
+
+
+def _release_config(tmp_path: Path) -> Path:
+    """The journey's release (`synth --preset v4-h200 --layout v4`), headers only."""
+    from vllm_h20.convert.synth import PRESETS, generate
+
+    generate(tmp_path / "release", PRESETS["v4-h200"], layout="v4", shards=8, sparse=True)
+    return tmp_path / "release"
+
+
+def test_deepgemm_shapes_are_the_ones_vllm_compiled_on_the_h200(tmp_path):
+    """The GEMMs the precompile derives from the release's config.json are exactly the shapes
+    of the FP8-linear kernels vLLM 0.26 compiled while serving it (lease 3's cache listing):
+    none missing (it would compile on the request path), none extra (wasted compiles)."""
+    pre = _load("deepgemm_precompile")
+    shapes = pre.gemm_shapes(pre._model_config(_release_config(tmp_path)))
+    listing = RESULTS / "v4-lease3-decode-stalled" / "logs" / "vllm-deepgemm-kernels.txt"
+    seen = {(int(a[2]), int(a[3]), int(a[4])): a[17]
+            for _t, name, a in pre.parse_listing(listing.read_text().splitlines())
+            if name == "sm90_fp8_gemm_1d2d"}  # fmt: skip
+    assert {(g.n, g.k, g.groups) for g in shapes} == set(seen)
+    assert {g.groups for g in shapes} == {1, 8} and len(shapes) == 7
+    for g in shapes:  # the einsum is DeepGEMM's batched GEMM, the linears its normal one
+        kind = "GemmType::Batched" if g.groups > 1 else "GemmType::Normal"
+        assert seen[(g.n, g.k, g.groups)] == kind
+    names = {g.name for g in shapes}
+    assert {"fused_wqa_wkv", "wo_a", "indexer.wq_b", "shared_experts.down_proj"} <= names
+
+
+def test_deepgemm_shapes_merge_equal_shapes_and_skip_what_the_config_lacks():
+    pre = _load("deepgemm_precompile")
+    cfg = {"hidden_size": 256, "q_lora_rank": 128, "head_dim": 64, "num_attention_heads": 4,
+           "o_groups": 2, "o_lora_rank": 128, "n_shared_experts": 0, "moe_intermediate_size": 128,
+           "compress_ratios": [0, 128], "index_n_heads": 2, "index_head_dim": 32}  # fmt: skip
+    shapes = pre.gemm_shapes(cfg)  # no ratio-4 layer: no indexer; no shared experts
+    assert [g.name for g in shapes] == ["fused_wqa_wkv", "wq_b", "wo_a", "wo_b"]
+    cfg.update(compress_ratios=[4], index_n_heads=4, index_head_dim=64)  # indexer wq_b = wq_b
+    assert [g.name for g in pre.gemm_shapes(cfg)][1] == "wq_b+indexer.wq_b"
+    del cfg["o_lora_rank"]
+    with pytest.raises(ValueError, match="lacks o_lora_rank: not a DeepSeek-V4 config"):
+        pre.gemm_shapes(cfg)
+
+
+def test_deepgemm_tasks_cover_every_token_count_once_per_gemm():
+    pre = _load("deepgemm_precompile")
+    shapes = [pre.Gemm("a", 256, 128), pre.Gemm("b", 128, 256, 2)]
+    for max_tokens, splits in [(8192, 2), (100, 3), (5, 8), (1, 1)]:
+        todo = pre.tasks(shapes, max_tokens, splits)
+        for g in shapes:
+            ms = [m for t, lo, hi in todo if t == g for m in range(lo, hi + 1)]
+            assert ms == list(range(1, max_tokens + 1))
+        assert len(todo) == 2 * min(splits, max_tokens)
+
+
+def test_deepgemm_listing_reads_a_cache_and_the_cli_names_what_is_wrong(tmp_path, capsys):
+    pre = _load("deepgemm_precompile")
+    cache = tmp_path / "deep_gemm"
+    k = cache / "cache" / "kernel.sm90_fp8_gemm_1d2d.0123abcd"
+    k.mkdir(parents=True)
+    (k / "kernel.cu").write_text(
+        "static void f() {\n  auto ptr = &sm90_fp8_gemm_1d2d_impl<\n"
+        "    cute::UMMA::Major::K,\n    0, 1536, 5120,\n    1\n  >);\n}\n"
+    )
+    (k / "kernel.cubin").write_bytes(b"\0")
+    (cache / "cache" / "kernel.sm90_fp8_gemm_1d2d.half").mkdir()  # still compiling: no cubin
+    assert pre.main(["--list", str(cache)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 1 and lines[0].endswith(
+        " kernel.sm90_fp8_gemm_1d2d.0123abcd cute::UMMA::Major::K,0,1536,5120,1"
+    )
+    [(when, name, args)] = pre.parse_listing(lines)
+    assert name == "sm90_fp8_gemm_1d2d" and args[2:4] == ["1536", "5120"] and len(when) == 19
+    assert pre.cached_kernels(cache) == {"kernel.sm90_fp8_gemm_1d2d.0123abcd",
+                                         "kernel.sm90_fp8_gemm_1d2d.half"}  # fmt: skip
+    with pytest.raises(SystemExit, match=f"no DeepGEMM cache in {tmp_path} \\(no cache/ folder\\)"):
+        pre.main(["--list", str(tmp_path)])
+    with pytest.raises(SystemExit, match=f"cannot read {tmp_path / 'config.json'}"):
+        pre.main([str(tmp_path)])
+    (tmp_path / "config.json").write_text(json.dumps({"hidden_size": 5120}))
+    with pytest.raises(SystemExit, match=f"{tmp_path / 'config.json'} lacks q_lora_rank"):
+        pre.main([str(tmp_path)])
+    with pytest.raises(SystemExit):
+        pre.main([])  # neither a model nor --list: argparse's usage error
+
+
+def test_stalls_count_the_compiles_inside_each_cell(tmp_path, capsys):
+    stalls = _load("stalls")
+    published = RESULTS / "v4-lease3-decode-stalled"
+    rows = stalls.table(published / "runs" / "decode-v4", published / "logs")
+    assert len(rows) == 16 and sum(bool(r["deepgemm"] or r["triton"]) for r in rows) == 12
+    first = rows[0]
+    assert (first["target"], first["concurrency"], first["deepgemm"]) == ("v4hum", 128, 8)
+    # A cell from 10:00:00 to 10:00:30 UTC; compiles at 09:59:59, 10:00:10 and 10:00:31.
+    run = tmp_path / "sweep" / "runs" / "a"
+    run.mkdir(parents=True)
+    t0 = 1796205600.0  # 2026-12-02 10:00:00 UTC
+    (run / "c64-r0.json").write_text(json.dumps({
+        "target": "a", "concurrency": 64, "run": 0, "status": "ok", "throughput": 1234.5,
+        "started": t0, "finished": t0 + 30}))  # fmt: skip
+    (run / "c64-r1.log").write_text("a cut run leaves only its log")
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    (logs / "vllm-deepgemm-kernels.txt").write_text(
+        "2026-12-02 09:59:59 kernel.x.1 a\n2026-12-02 10:00:10 kernel.x.2 b\n"
+    )
+    (logs / "triton-cache.txt").write_text("2026-12-02 10:00:31.50 12 H/k.json\n")
+    assert stalls.main([str(tmp_path / "sweep"), "--logs", str(logs)]) == 0
+    out = capsys.readouterr().out
+    assert out.splitlines()[1].split() == ["10:00:00", "a", "c64", "1", "0", "1,234", "1", "0"]
+    assert "1 of 1 cells had a kernel compiled" in out
+    [row] = stalls.table(tmp_path / "sweep", logs)
+    assert (row["deepgemm"], row["triton"], row["retry"]) == (1, 0, 0)
+    with pytest.raises(SystemExit, match=f"stalls: {logs} has no runs/ folder"):
+        stalls.main([str(logs), "--logs", str(logs)])
+    with pytest.raises(SystemExit, match="has neither vllm-deepgemm-kernels.txt nor triton"):
+        stalls.main([str(tmp_path / "sweep"), "--logs", str(tmp_path)])

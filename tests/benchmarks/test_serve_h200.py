@@ -370,6 +370,44 @@ def test_device_script_remembers_where_the_v4_release_went(tmp_path):
     assert res.returncode == 1 and f"v4hum: no checkpoint in {tmp_path}/elsewhere" in res.stdout
 
 
+def test_device_script_precompiles_need_the_release(tmp_path):
+    """Both precompile steps read the release's config.json: without one, each says where it
+    looked and which step makes it, before starting anything."""
+    env = {"SH": str(tmp_path), "PATH": "/usr/bin:/bin", "V4REL": str(tmp_path / "none")}
+    for step in ("v4mhc", "v4dg"):
+        res = subprocess.run(["bash", str(HERE / "h200.sh"), step], capture_output=True,
+                             text=True, env=env, timeout=60)  # fmt: skip
+        assert res.returncode == 1
+        assert res.stdout == f"{step}: no release in {tmp_path / 'none'} (v4release first)\n"
+
+
+def test_device_script_collect_lists_compiled_kernels_with_their_times(tmp_path):
+    """`collect` lists vLLM's DeepGEMM kernels with their configurations and Triton's kernels
+    (their metadata JSONs, not the group files), both with times, for stalls.py."""
+    sh = tmp_path / "sh"
+    k = sh / "vllm-cache" / "deep_gemm" / "cache" / "kernel.sm90_fp8_gemm_1d2d.0123"
+    k.mkdir(parents=True)
+    (k / "kernel.cu").write_text("auto p = &sm90_fp8_gemm_1d2d_impl<\n 0, 1536, 5120\n>);\n")
+    (k / "kernel.cubin").write_bytes(b"\0")
+    t = sh / "triton" / "HASH"
+    t.mkdir(parents=True)
+    (t / "_topk_kernel.json").write_text("{}")
+    (t / "__grp___topk_kernel.json").write_text("{}")
+    for d in ("logs", "check", "runs"):
+        (sh / d).mkdir()
+    out = tmp_path / "out"
+    env = {"SH": str(sh), "PATH": "/usr/bin:/bin"}
+    res = subprocess.run(["bash", str(HERE / "h200.sh"), "collect", str(out)],
+                         capture_output=True, text=True, env=env, timeout=120)  # fmt: skip
+    assert res.returncode == 0, res.stdout + res.stderr
+    with tarfile.open(out / "serve_h200.tar.gz") as tar:
+        kernels = tar.extractfile("logs/vllm-deepgemm-kernels.txt").read().decode()
+        triton = tar.extractfile("logs/triton-cache.txt").read().decode()
+    assert kernels.endswith(" kernel.sm90_fp8_gemm_1d2d.0123 0,1536,5120\n")
+    [line] = triton.splitlines()
+    assert line.endswith(" 2 HASH/_topk_kernel.json")
+
+
 def _wheel(d: Path, name: str, files: dict[str, str]) -> None:
     """A minimal pure-Python wheel holding `files` (path -> text)."""
     info = f"{name}-1.0.dist-info"
