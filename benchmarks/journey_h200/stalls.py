@@ -1,11 +1,13 @@
 """Which sweep cells had kernels compiled while they ran: a JIT compile stops the compiling
 server's engine for seconds, so a cell with one measures the compiler, not the kernels.
 
-The servers share their JIT caches, so a compile cannot be pinned on one server; it is counted in
-every cell whose time span (warm-up to last request, `started`..`finished` in the cell's record)
-holds it. The compile times come from the cache listings `h200.sh collect` writes: vLLM's
-DeepGEMM kernels (`logs/vllm-deepgemm-kernels.txt`, `deepgemm_precompile.py --list`) and
-Triton's (`logs/triton-cache.txt`), both in UTC as the machine's clock:
+The servers share their JIT caches, so a compile cannot be pinned on one server: it is counted in
+the cell whose time span (warm-up to last request, `started`..`finished` in the cell's record)
+holds the moment the compiled kernel was written, which is when its compile ended (a compile
+that ends just after a cell also stalled it: read a neighbour's count as a warning). The times
+come from the cache listings `h200.sh collect` writes: vLLM's DeepGEMM kernels
+(`logs/vllm-deepgemm-kernels.txt`, `deepgemm_precompile.py --list`) and Triton's
+(`logs/triton-cache.txt`), both in UTC as the machine's clock:
 
     python benchmarks/journey_h200/stalls.py RUNS/decode-v4 --logs LOGS [--markdown]
 """
