@@ -6,8 +6,9 @@ DeepGEMM, which JIT-compiles one kernel per configuration its heuristic picks fo
 block sizes, pipeline stages and TMA multicast change with the number of waves over the GPU's SMs.
 h200.sh keeps vLLM's own warm-up off (`VLLM_DEEP_GEMM_WARMUP=skip`: one process, one kernel at a
 time, at every start), so each new configuration compiled on the request path, 3-8 s with the
-engine stalled. Journey lease 3 listed vLLM's DeepGEMM cache: 54 kernels compiled during its
-decode sweep, 102 in all over seven GEMM shapes, and the windows with a compile were the slow ones.
+engine stalled. Journey lease 3 listed vLLM's DeepGEMM cache: 102 kernels over seven GEMM
+shapes, 48 compiled during start-up, 54 after it (47 during the decode sweep, whose cells with a
+compile were the slow ones).
 DeepGEMM keeps compiled kernels in a disk cache every process reads (`$VLLM_CACHE_ROOT/deep_gemm`),
 so compiling each configuration once here, many at a time, lets the servers load them instead.
 

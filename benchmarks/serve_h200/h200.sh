@@ -29,7 +29,7 @@
 #                           otherwise they compile at start-up and on the request path)
 #   h200.sh v4dg            the same for vLLM's DeepGEMM kernels of V4's FP8 linears and O
 #                           projection, every token count up to 8,192 (journey lease 3 compiled
-#                           54 of them during its decode sweep)
+#                           47 of them during its decode sweep)
 #   h200.sh v4prep          v4release + v4convert in the background (right after boot: they
 #                           need only boot's wheels), logged to logs/v4prep.log; `serve v4*`
 #                           waits for it
