@@ -31,6 +31,10 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from precompile import add_pool_args, read_config  # noqa: E402
+
 BLOCK = 128  # V4's FP8 block size (weight 128x128, activations 1x128)
 # A call slower than this compiled a kernel (a cached launch takes well under a millisecond).
 COMPILE_S = 0.5
@@ -123,13 +127,6 @@ def parse_listing(lines: list[str]) -> list[tuple[str, str, list[str]]]:
         name = folder.removeprefix("kernel.").rsplit(".", 1)[0]
         out.append((f"{day} {clock}", name, args[0].split(",") if args and args[0] else []))
     return out
-
-
-def _model_config(model: Path) -> dict:
-    try:
-        return json.loads((model / "config.json").read_text())
-    except (OSError, ValueError) as e:
-        raise SystemExit(f"deepgemm_precompile: cannot read {model / 'config.json'}: {e}") from None
 
 
 _W: dict = {}
@@ -232,18 +229,7 @@ def main(argv: list[str] | None = None) -> int:
         help="print the kernels in this DeepGEMM cache folder (when compiled, "
         "configuration) and exit",
     )
-    ap.add_argument(
-        "--max-tokens",
-        type=int,
-        default=8192,
-        help="the servers' max_num_batched_tokens (vLLM 0.26's default here: 8192)",
-    )
-    ap.add_argument(
-        "--workers",
-        type=int,
-        default=max(1, min(14, (os.cpu_count() or 2) - 2)),
-        help="compiling processes (default: CPU count - 2, at most 14)",
-    )
+    add_pool_args(ap)
     ap.add_argument(
         "--splits",
         type=int,
@@ -264,7 +250,7 @@ def main(argv: list[str] | None = None) -> int:
     if a.max_tokens < 1 or a.workers < 1 or a.splits < 0:
         raise SystemExit("deepgemm_precompile: --max-tokens and --workers must be >= 1")
     try:
-        shapes = gemm_shapes(_model_config(a.model))
+        shapes = gemm_shapes(read_config(a.model, "deepgemm_precompile"))
     except ValueError as e:
         raise SystemExit(f"deepgemm_precompile: {a.model / 'config.json'} {e}") from None
     root = os.environ.get("VLLM_CACHE_ROOT") or os.path.expanduser("~/.cache/vllm")

@@ -30,6 +30,10 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from precompile import add_pool_args, read_config  # noqa: E402
+
 # The post-norm scale vLLM 0.26's DeepseekV4DecoderLayer passes (hc_post_alpha, not in config).
 HC_POST_ALPHA = 2.0
 
@@ -58,10 +62,7 @@ def variants(
 def _model_config(model: Path) -> dict:
     """The config values the V4 model passes to the mHC kernels (DeepseekV4DecoderLayer reads
     them from config.json as is; its RMSNorm eps is rms_norm_eps)."""
-    try:
-        c = json.loads((model / "config.json").read_text())
-    except (OSError, ValueError) as e:
-        raise SystemExit(f"mhc_precompile: cannot read {model / 'config.json'}: {e}") from None
+    c = read_config(model, "mhc_precompile")
     missing = [k for k in ("hidden_size", "hc_mult", "hc_eps", "hc_sinkhorn_iters", "rms_norm_eps")
                if k not in c]  # fmt: skip
     if missing:
@@ -141,18 +142,7 @@ def main(argv: list[str] | None = None) -> int:
         description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
     )
     ap.add_argument("model", type=Path, help="the V4 checkpoint's folder (its config.json)")
-    ap.add_argument(
-        "--max-tokens",
-        type=int,
-        default=8192,
-        help="the servers' max_num_batched_tokens (vLLM 0.26's default here: 8192)",
-    )
-    ap.add_argument(
-        "--workers",
-        type=int,
-        default=max(1, min(14, (os.cpu_count() or 2) - 2)),
-        help="compiling processes (default: CPU count - 2, at most 14)",
-    )
+    add_pool_args(ap)
     ap.add_argument("--json", type=Path, help="write the per-variant times here")
     a = ap.parse_args(argv)
     if "TILELANG_CACHE_DIR" not in os.environ:

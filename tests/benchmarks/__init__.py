@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import sys
+import tarfile
 from pathlib import Path
 from types import ModuleType
 
@@ -16,3 +17,12 @@ def load_script(path: Path, name: str) -> ModuleType:
     sys.modules[name] = mod
     spec.loader.exec_module(mod)
     return mod
+
+
+def pack_published(published: Path, tarball: Path) -> Path:
+    """A published result folder's check/, runs/ and logs/ as the tarball `h200.sh collect`
+    returns: what report.py reads to rebuild the folder."""
+    with tarfile.open(tarball, "w:gz") as t:
+        for sub in ("check", "runs", "logs"):
+            t.add(published / sub, arcname=sub)
+    return tarball

@@ -8,12 +8,11 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import tarfile
 from pathlib import Path
 
 import pytest
 
-from tests.benchmarks import load_script
+from tests.benchmarks import load_script, pack_published
 
 ROOT = Path(__file__).resolve().parents[2]
 HERE = ROOT / "benchmarks" / "journey_h200"
@@ -83,10 +82,7 @@ def test_published_lease_rebuilds_from_its_own_run_files(tmp_path, lease):
     summary (which names Humming's MXFP4 backend for the release) and its decode report."""
     pytest.importorskip("guidellm")
     published = RESULTS / lease
-    tarball = tmp_path / "serve_h200.tar.gz"
-    with tarfile.open(tarball, "w:gz") as t:
-        for sub in ("check", "runs", "logs"):
-            t.add(published / sub, arcname=sub)
+    tarball = pack_published(published, tmp_path / "serve_h200.tar.gz")
     summary = (published / "summary.md").read_text()
     title = summary.splitlines()[0].removeprefix("# ")
     out = tmp_path / "out"
@@ -113,7 +109,7 @@ def test_deepgemm_shapes_are_the_ones_vllm_compiled_on_the_h200(tmp_path):
     of the FP8-linear kernels vLLM 0.26 compiled while serving it (lease 3's cache listing):
     none missing (it would compile on the request path), none extra (wasted compiles)."""
     pre = _load("deepgemm_precompile")
-    shapes = pre.gemm_shapes(pre._model_config(_release_config(tmp_path)))
+    shapes = pre.gemm_shapes(pre.read_config(_release_config(tmp_path), "deepgemm_precompile"))
     listing = RESULTS / "v4-lease3-decode-stalled" / "logs" / "vllm-deepgemm-kernels.txt"
     seen = {(int(a[2]), int(a[3]), int(a[4])): a[17]
             for _t, name, a in pre.parse_listing(listing.read_text().splitlines())

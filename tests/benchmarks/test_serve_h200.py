@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.benchmarks import load_script
+from tests.benchmarks import load_script, pack_published
 
 ROOT = Path(__file__).resolve().parents[2]
 HERE = ROOT / "benchmarks" / "serve_h200"
@@ -242,10 +242,7 @@ def test_published_results_rebuild_from_their_own_run_files(tmp_path, round_dir)
     its published summary and reports (the plots aside)."""
     pytest.importorskip("guidellm")
     published = RESULTS / round_dir
-    tarball = tmp_path / "serve_h200.tar.gz"
-    with tarfile.open(tarball, "w:gz") as t:
-        for sub in ("check", "runs", "logs"):
-            t.add(published / sub, arcname=sub)
+    tarball = pack_published(published, tmp_path / "serve_h200.tar.gz")
     out = tmp_path / "out"
     res = subprocess.run([sys.executable, str(HERE / "report.py"), str(tarball), str(out)],
                          capture_output=True, text=True, cwd=ROOT, timeout=600)  # fmt: skip

@@ -1,0 +1,34 @@
+"""What the journey's two precompile scripts (mhc_precompile.py, deepgemm_precompile.py) share:
+reading the release's config.json with a one-line error, and the flags that size their work
+(the servers' batch-token limit, the compiling processes), so both stay in step."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from pathlib import Path
+
+
+def read_config(model: Path, prog: str) -> dict:
+    """The checkpoint's config.json; an unreadable one ends the script naming the file."""
+    try:
+        return json.loads((model / "config.json").read_text())
+    except (OSError, ValueError) as e:
+        raise SystemExit(f"{prog}: cannot read {model / 'config.json'}: {e}") from None
+
+
+def add_pool_args(ap: argparse.ArgumentParser) -> None:
+    """--max-tokens and --workers, with the defaults both precompiles use."""
+    ap.add_argument(
+        "--max-tokens",
+        type=int,
+        default=8192,
+        help="the servers' max_num_batched_tokens (vLLM 0.26's default here: 8192)",
+    )
+    ap.add_argument(
+        "--workers",
+        type=int,
+        default=max(1, min(14, (os.cpu_count() or 2) - 2)),
+        help="compiling processes (default: CPU count - 2, at most 14)",
+    )
