@@ -76,10 +76,12 @@ def test_mhc_precompile_takes_its_scalars_from_the_v4_config(tmp_path):
         pre._model_config(tmp_path)
 
 
-@pytest.mark.parametrize("lease", ["v4-lease2-decode-partial", "v4-lease3-decode-stalled"])
+@pytest.mark.parametrize(
+    "lease", ["v4-lease2-decode-partial", "v4-lease3-decode-stalled", "v4-lease4-decode-clean"]
+)
 def test_published_lease_rebuilds_from_its_own_run_files(tmp_path, lease):
     """report.py on a tarball of a lease's published check/, runs/ and logs/ reproduces its
-    summary (which names Humming's MXFP4 backend for the release) and its decode report."""
+    summary (which names Humming's MXFP4 backend for the release) and its sweep reports."""
     pytest.importorskip("guidellm")
     published = RESULTS / lease
     tarball = pack_published(published, tmp_path / "serve_h200.tar.gz")
@@ -92,8 +94,11 @@ def test_published_lease_rebuilds_from_its_own_run_files(tmp_path, lease):
     assert res.returncode == 0, res.stderr
     assert (out / "summary.md").read_text() == summary
     assert "**v4hum** (MoE backend HUMMING MXFP4)" in summary
-    report = (out / "decode" / "report.md").read_text()
-    assert report == (published / "decode" / "report.md").read_text()
+    sweeps = [d.name for d in published.iterdir() if (d / "report.md").is_file()]
+    assert "decode" in sweeps
+    for sweep in sweeps:
+        report = (out / sweep / "report.md").read_text()
+        assert report == (published / sweep / "report.md").read_text(), sweep
 
 
 def _release_config(tmp_path: Path) -> Path:
@@ -186,6 +191,12 @@ def test_stalls_count_the_compiles_inside_each_cell(tmp_path, capsys):
     assert len(rows) == 16 and sum(bool(r["deepgemm"] or r["triton"]) for r in rows) == 12
     first = rows[0]
     assert (first["target"], first["concurrency"], first["deepgemm"]) == ("v4hum", 128, 8)
+    # Lease 4 started with lease 3's caches and the DeepGEMM precompile: one Triton compile left.
+    clean = RESULTS / "v4-lease4-decode-clean"
+    rows = stalls.table(clean / "runs" / "decode-v4", clean / "logs")
+    [hit] = [r for r in rows if r["deepgemm"] or r["triton"]]
+    assert len(rows) == 18 and (hit["target"], hit["concurrency"], hit["run"]) == ("v4fix", 256, 2)
+    assert (hit["deepgemm"], hit["triton"]) == (0, 1)
     # A cell from 10:00:00 to 10:00:30 UTC; compiles at 09:59:59, 10:00:10 and 10:00:31.
     run = tmp_path / "sweep" / "runs" / "a"
     run.mkdir(parents=True)
