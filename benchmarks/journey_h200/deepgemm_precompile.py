@@ -22,7 +22,6 @@ the token range of a GEMM is split over processes:
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import multiprocessing as mp
 import os
@@ -33,7 +32,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from precompile import add_pool_args, read_config  # noqa: E402
+from precompile import add_pool_args, read_config, write_json  # noqa: E402
 
 BLOCK = 128  # V4's FP8 block size (weight 128x128, activations 1x128)
 # A call slower than this compiled a kernel or loaded one from the disk cache (a launch of a
@@ -284,24 +283,15 @@ def main(argv: list[str] | None = None) -> int:
         f"({len(todo)} ranges, {min(a.workers, len(todo))} workers): {len(new)} kernels compiled, "
         f"{len(before)} were cached; {len(failed)} range(s) failed"
     )
-    if a.json:
-        a.json.parent.mkdir(parents=True, exist_ok=True)
-        a.json.write_text(
-            json.dumps(
-                {
-                    "model": str(a.model),
-                    "max_tokens": a.max_tokens,
-                    "workers": a.workers,
-                    "wall_s": round(wall, 1),
-                    "cache": str(cache),
-                    "cached_before": len(before),
-                    "compiled": sorted(new),
-                    "shapes": [asdict(g) for g in shapes],
-                    "ranges": rows,
-                },
-                indent=1,
-            )
-        )
+    write_json(
+        a,
+        wall,
+        cache=str(cache),
+        cached_before=len(before),
+        compiled=sorted(new),
+        shapes=[asdict(g) for g in shapes],
+        ranges=rows,
+    )
     return 1 if failed else 0
 
 

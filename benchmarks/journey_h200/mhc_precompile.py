@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
 import math
 import multiprocessing as mp
 import os
@@ -32,7 +31,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from precompile import add_pool_args, read_config  # noqa: E402
+from precompile import add_pool_args, read_config, write_json  # noqa: E402
 
 # The post-norm scale vLLM 0.26's DeepseekV4DecoderLayer passes (hc_post_alpha, not in config).
 HC_POST_ALPHA = 2.0
@@ -177,30 +176,12 @@ def main(argv: list[str] | None = None) -> int:
     failed = [r for r in rows if r[3]]
     print(f"mhc_precompile: {len(rows)} mHC kernel variants for 1-{a.max_tokens} tokens in "
           f"{wall:.0f} s ({a.workers} workers); {len(failed)} failed")  # fmt: skip
-    if a.json:
-        a.json.parent.mkdir(parents=True, exist_ok=True)
-        a.json.write_text(
-            json.dumps(
-                {
-                    "model": str(a.model),
-                    "max_tokens": a.max_tokens,
-                    "workers": a.workers,
-                    "wall_s": round(wall, 1),
-                    "config": cfg,
-                    "variants": [
-                        {
-                            "kernel": r[0][0],
-                            "key": list(r[0][1:]),
-                            "tokens": r[1],
-                            "seconds": round(r[2], 2),
-                            "error": r[3],
-                        }
-                        for r in rows
-                    ],
-                },
-                indent=1,
-            )
-        )
+    done = [
+        {"kernel": r[0][0], "key": list(r[0][1:]), "tokens": r[1], "seconds": round(r[2], 2),
+         "error": r[3]}
+        for r in rows
+    ]  # fmt: skip
+    write_json(a, wall, config=cfg, variants=done)
     return 1 if failed else 0
 
 

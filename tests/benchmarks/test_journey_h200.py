@@ -101,6 +101,24 @@ def test_published_lease_rebuilds_from_its_own_run_files(tmp_path, lease):
         assert report == (published / sweep / "report.md").read_text(), sweep
 
 
+def test_precompiles_write_the_common_fields_then_their_own(tmp_path):
+    """Both precompiles' --json: model, pool size and wall time first, then the script's own
+    fields; the folder is made; without --json nothing is written."""
+    import argparse
+
+    shared = _load("precompile")
+    out = tmp_path / "check" / "x.json"
+    a = argparse.Namespace(json=out, model=Path("/m"), max_tokens=8192, workers=14)
+    shared.write_json(a, 45.94, cache="c", compiled=["k"])
+    assert list(json.loads(out.read_text()).items()) == [
+        ("model", "/m"), ("max_tokens", 8192), ("workers", 14), ("wall_s", 45.9),
+        ("cache", "c"), ("compiled", ["k"]),
+    ]  # fmt: skip
+    out.unlink()
+    shared.write_json(argparse.Namespace(**{**vars(a), "json": None}), 1.0)
+    assert not out.exists()
+
+
 def _release_config(tmp_path: Path) -> Path:
     """The journey's release (`synth --preset v4-h200 --layout v4`), headers only."""
     from vllm_h20.convert.synth import PRESETS, generate
