@@ -5,7 +5,8 @@
 #   benchmarks/fused_moe/h200.sh build OUT   # vllm-h20 kernels build: fix, then stock module
 #   benchmarks/fused_moe/h200.sh test OUT    # FlashInfer's SM90 block-scale test + the patch's
 #                                            # test, on the fix module and on the stock module
-#   benchmarks/fused_moe/h200.sh bench OUT   # run.py: 33 cases x 8 EP ranks, stock vs fix
+#                                            # (MODES="per_expert" or "stock": one of them)
+#   benchmarks/fused_moe/h200.sh bench OUT   # run.py: 110 cases x 8 EP ranks, stock vs fix
 #   benchmarks/fused_moe/h200.sh all OUT
 #
 # Needs .fi/ from benchmarks/fused_moe/stage.py (FlashInfer + TVM FFI wheels, FlashInfer's
@@ -39,7 +40,7 @@ fi
 
 if [ "$step" = test ] || [ "$step" = all ]; then
     tests=$repo/.fi/flashinfer-tests
-    for mode in per_expert stock; do
+    for mode in ${MODES:-per_expert stock}; do
         for sel in "tests/moe/test_trtllm_cutlass_fused_moe.py -k fp8_block_scaling" \
                    "tests/moe/test_fp8_blockscale_moe_expected_m.py"; do
             name=$(basename "${sel%% *}" .py)

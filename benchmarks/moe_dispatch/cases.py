@@ -21,34 +21,69 @@ LOCAL = SLOTS // EP  # 50
 # (name, N, K) of the two grouped GEMMs one MoE layer issues per rank.
 GEMMS = (("fc1", 2 * INTER, HIDDEN), ("fc2", HIDDEN, INTER))
 TOKENS = (1, 8, 32, 64, 128, 192, 288, 512, 1024, 2048, 4096)
+# The first four: the original 44 cases. The rest concentrate routing on few experts, as users'
+# traffic can: identical requests under greedy decoding route every token of a step to the same
+# experts (same_rank: all six on one EP rank; same_spread: one on each of six ranks), a hot pool
+# of 8 or 16 experts, popularity steeper than Zipf 1.2, and a trained model's load shape.
 ROUTINGS = ("uniform", "zipf", "hot", "eplb")
+CONCENTRATED = ("same_rank", "same_spread", "pool8", "pool16", "zipf2", "trained")
+ALL_ROUTINGS = ROUTINGS + CONCENTRATED
 ZIPF_S = 1.2  # popularity of the i-th most popular slot ~ 1 / i^1.2
+ZIPF2_S = 2.0
 # eplb: what expert-parallel load balancing leaves behind; slot popularity log-normal with this
 # sigma puts the hottest of 400 slots at ~3.4x the mean (2.97 sigma - sigma^2 / 2 = ln 3.4).
 EPLB_SIGMA = 0.45
+# trained: the per-expert loads DeepSeek publishes as the example input of its expert-parallel load
+# balancer (github.com/deepseek-ai/EPLB, README, `weight`: two MoE layers x 12 experts, tokens per
+# expert). The only per-expert load table DeepSeek has published; an example, not a measurement of
+# a named model. Each slot's popularity is drawn from these 24 loads (normalized to their layer's
+# mean): max / mean 2.1, coefficient of variation 0.6.
+EPLB_EXAMPLE_LOADS = (
+    (90, 132, 40, 61, 104, 165, 39, 4, 73, 56, 183, 86),
+    (20, 107, 104, 64, 19, 197, 187, 157, 172, 86, 16, 27),
+)
 CALIB_M = (1, 2, 4, 8, 12, 16, 24, 32, 40, 48, 64, 96, 128, 192, 256)
+
+
+def trained_popularity(rng: np.random.Generator) -> np.ndarray:
+    """Per-slot popularity drawn from EPLB_EXAMPLE_LOADS, each layer normalized to mean 1."""
+    loads = np.concatenate([np.asarray(r, float) / np.mean(r) for r in EPLB_EXAMPLE_LOADS])
+    return rng.choice(loads, SLOTS)
 
 
 def route(routing: str, tokens: int, seed: int = 0) -> np.ndarray:
     """[tokens, TOP_K] distinct physical slots per token.
 
-    uniform: every slot equally likely. zipf: slot popularity ~ 1/rank^1.2, ranks shuffled
-    over slots (so hot slots land on any EP rank). hot: slot 0 (rank 0's first expert) is in
-    every token's top-k, the other five uniform: the worst case for one rank. eplb: log-normal
-    slot popularity, the hottest slot ~3-4x the mean, as balanced replicas leave it."""
+    uniform: every slot equally likely. zipf / zipf2: slot popularity ~ 1/rank^s (s 1.2 / 2.0),
+    ranks shuffled over slots (so hot slots land on any EP rank). hot: slot 0 (rank 0's first
+    expert) is in every token's top-k, the other five uniform: the worst case for one rank.
+    eplb: log-normal slot popularity, the hottest slot ~3-4x the mean, as balanced replicas
+    leave it. same_rank: every token picks slots 0-5 (all on rank 0); same_spread: every token
+    picks the first slot of ranks 0-5. pool8 / pool16: top-k uniform from a pool of 8 / 16 slots
+    drawn at random. trained: popularity shaped like EPLB_EXAMPLE_LOADS."""
     rng = np.random.default_rng(seed * 1_000_003 + tokens)
     if routing == "uniform":
         logits = np.zeros(SLOTS)
-    elif routing == "zipf":
-        popularity = 1.0 / np.arange(1, SLOTS + 1) ** ZIPF_S
+    elif routing in ("zipf", "zipf2"):
+        s = ZIPF_S if routing == "zipf" else ZIPF2_S
+        popularity = 1.0 / np.arange(1, SLOTS + 1) ** s
         logits = np.log(rng.permutation(popularity))
     elif routing == "eplb":
         logits = rng.normal(0.0, EPLB_SIGMA, SLOTS)
+    elif routing == "trained":
+        logits = np.log(np.maximum(trained_popularity(rng), 1e-6))
     elif routing == "hot":
         rest = np.argsort(rng.random((tokens, SLOTS - 1)), axis=1)[:, : TOP_K - 1] + 1
         return np.concatenate([np.zeros((tokens, 1), dtype=np.int64), rest], axis=1)
+    elif routing in ("same_rank", "same_spread"):
+        step = 1 if routing == "same_rank" else LOCAL
+        return np.tile(np.arange(TOP_K, dtype=np.int64) * step, (tokens, 1))
+    elif routing in ("pool8", "pool16"):
+        pool = rng.choice(SLOTS, 8 if routing == "pool8" else 16, replace=False)
+        logits = np.full(SLOTS, -np.inf)
+        logits[pool] = 0.0
     else:
-        raise ValueError(f"unknown routing {routing!r} (one of {', '.join(ROUTINGS)})")
+        raise ValueError(f"unknown routing {routing!r} (one of {', '.join(ALL_ROUTINGS)})")
     # Gumbel top-k: TOP_K distinct slots drawn without replacement with these weights.
     keys = logits[None, :] + rng.gumbel(size=(tokens, SLOTS))
     return np.argsort(-keys, axis=1)[:, :TOP_K].astype(np.int64)

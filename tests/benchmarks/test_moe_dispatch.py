@@ -43,8 +43,10 @@ def test_calibration_hooks_apply_to_the_patched_sources(tmp_path):
     for variant in run.VARIANTS:
         nv = run.prepare_sources(data, tmp_path / "work", variant)
         text = (nv / run.KERNEL_CUH).read_text()
-        assert ("plan_row_classes" in text) is (variant != "stock")
-        assert ("vllm_h20_override_plan" in text) is (variant == "calib")
+        assert ("plan_launches" in text) is (variant != "stock")
+        assert ("vllm_h20_prev_plan" in text) is (variant == "calib")
+        launchers = (nv / run.FP8_GEMM_CUH).read_text()
+        assert ("vllm_h20_grid(num_sms)" in launchers) is (variant == "calib")
         assert run.deepgemm_dir(data, tmp_path / "work", variant).endswith("tensorrt_llm")
 
 
@@ -52,6 +54,37 @@ def test_eplb_routing_is_skewed_like_what_eplb_leaves():
     for tokens in (1024, 4096):
         counts = np.bincount(cases.route("eplb", tokens).ravel(), minlength=cases.SLOTS)
         assert 2.5 <= counts.max() / counts.mean() <= 5
+
+
+@pytest.mark.parametrize("routing", cases.ALL_ROUTINGS)
+@pytest.mark.parametrize("tokens", [1, 8, 128, 4096])
+def test_every_routing_gives_each_token_top_k_distinct_slots(routing, tokens):
+    slots = cases.route(routing, tokens)
+    assert slots.shape == (tokens, cases.TOP_K)
+    assert ((slots >= 0) & (slots < cases.SLOTS)).all()
+    assert all(len(set(row)) == cases.TOP_K for row in slots.tolist())
+    assert sum(int(cases.rank_counts(slots, r).sum()) for r in range(cases.EP)) == tokens * 6
+
+
+def test_concentrated_routings_concentrate_as_described():
+    tokens = 512
+    rows = {r: [cases.rank_counts(cases.route(r, tokens), k) for k in range(cases.EP)]
+            for r in cases.CONCENTRATED}  # fmt: skip
+    # Identical requests: six experts with every token, on one rank or one per rank.
+    assert [int((c == tokens).sum()) for c in rows["same_rank"]] == [6] + [0] * 7
+    assert sorted(int((c == tokens).sum()) for c in rows["same_spread"]) == [0, 0] + [1] * 6
+    # A hot pool: every routed row lands on 8 (16) experts.
+    for name, size in (("pool8", 8), ("pool16", 16)):
+        assert sum(int((c > 0).sum()) for c in rows[name]) == size
+    # Steeper than Zipf 1.2: the hottest expert holds more of the rows.
+    def top_share(r):
+        counts = np.bincount(cases.route(r, tokens).ravel(), minlength=cases.SLOTS)
+        return counts.max() / counts.sum()
+
+    assert top_share("zipf2") > top_share("zipf")
+    # Shaped like the EPLB example's loads: skewed (cv ~0.6 of slot popularity), no pool.
+    counts = np.bincount(cases.route("trained", 4096).ravel(), minlength=cases.SLOTS)
+    assert 2 <= counts.max() / counts.mean() <= 5 and (counts > 0).sum() > 350
 
 
 def test_warm_jobs_cover_every_version_and_token_count():

@@ -41,6 +41,40 @@ def swap_threshold(num_sms: int) -> int:
     return 64 if num_sms == H20_SMS else 32
 
 
+FIT_STEP = 16  # kFitStep: a fitted row tile is a multiple of this
+MAX_FIT_N = 128  # kMaxFitN: the widest swap-A/B row tile
+
+
+def fit_n(num_rows: int) -> int:
+    """The fitted launch's widest row tile for a step of `num_rows` tokens (plan_launches in
+    the patched fp8_blockscale_gemm_kernel.cuh): a token picks an expert once, so no expert
+    holds more than num_rows rows."""
+    return min(MAX_FIT_N, -(-max(num_rows, 1) // FIT_STEP) * FIT_STEP)
+
+
+def split_rows(num_sms: int) -> int | None:
+    """split_rows_for in the patched fp8_blockscale_gemm_kernel.cuh: the token count above which
+    the experts with more than MAX_FIT_N rows go to the regular kernel in a second launch (None:
+    never, one fitted launch)."""
+    del num_sms
+    return None
+
+
+def launch_plan(num_rows: int, num_sms: int) -> tuple[int, int]:
+    """(widest fitted row tile, regular launch's rows or 0): plan_launches for a step of
+    num_rows tokens on a GPU with num_sms SMs."""
+    split = split_rows(num_sms)
+    regular = num_rows if split is not None and num_rows > max(split, MAX_FIT_N) else 0
+    return fit_n(num_rows), regular
+
+
+def fitted_tiles(rows: int, widest: int) -> list[int]:
+    """The row tiles the fitted kernel gives an expert with `rows` rows: widest-row tiles, the
+    last narrowed to the rest rounded up to FIT_STEP (fitted_tile_n in fp8_gemm_impl.cuh)."""
+    full, rest = divmod(rows, widest)
+    return [widest] * full + ([-(-rest // FIT_STEP) * FIT_STEP] if rest else [])
+
+
 def branch(expected_m: int, num_sms: int) -> Branch:
     return "regular" if expected_m >= swap_threshold(num_sms) else "swap_ab"
 

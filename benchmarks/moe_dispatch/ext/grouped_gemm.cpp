@@ -16,7 +16,7 @@
 // deepgemm_setup.cu (CUDA, C++17)
 void vllm_h20_set_include_dirs(std::vector<std::string> const& dirs);
 bool vllm_h20_force_branch_set(int which);
-bool vllm_h20_rule_set(int mode, int sizing, int boundary, int hot_first, int overlap);
+bool vllm_h20_rule_set(int mode, int split_rows);
 
 using Runner = tensorrt_llm::kernels::fp8_blockscale_gemm::CutlassFp8BlockScaleGemmRunner<
     __nv_bfloat16, __nv_fp8_e4m3, __nv_bfloat16>;
@@ -65,11 +65,8 @@ void force_branch(int64_t which) {
               "this build has no branch override");
 }
 
-void set_rule(int64_t mode, int64_t sizing, int64_t boundary, int64_t hot_first,
-              int64_t overlap) {
-  TORCH_CHECK(vllm_h20_rule_set(static_cast<int>(mode), static_cast<int>(sizing),
-                                static_cast<int>(boundary), static_cast<int>(hot_first),
-                                static_cast<int>(overlap)),
+void set_rule(int64_t mode, int64_t split_rows) {
+  TORCH_CHECK(vllm_h20_rule_set(static_cast<int>(mode), static_cast<int>(split_rows)),
               "this build has no rule override");
 }
 

@@ -1,0 +1,91 @@
+#!/usr/bin/env bash
+# The dispatch evidence on one lent H200, as a few device calls of one machine hold. State lives
+# in /tmp/moe-session (the repository copy a call runs in is replaced by the next call's):
+#
+#   benchmarks/moe_dispatch/h200.sh smoke   # copy the repo, build, a few cases of each kind (~3 min);
+#                                           # on success start `full` in the background (setsid)
+#   benchmarks/moe_dispatch/h200.sh full    # kernel-level A/B (every routing x token count),
+#                                           # fused op (FlashInfer's tests + A/B), H20 emulations
+#   benchmarks/moe_dispatch/h200.sh wait S  # follow the background run for up to S seconds
+#   benchmarks/moe_dispatch/h200.sh collect OUT   # what exists so far, as <= 8 files, into OUT
+#
+# Needs .fi/ (carried): the FlashInfer 0.7.2.post1 source tarball (moe_dispatch/fetch_sources.py)
+# and the FlashInfer 0.6.14 wheels + tests (fused_moe/stage.py).
+set -uo pipefail
+step=${1:?smoke|full|wait|collect}
+S=/tmp/moe-session
+export PYTHONUNBUFFERED=1
+mkdir -p "$S/out"
+
+copy_repo() {
+    rm -rf "$S/repo" && mkdir -p "$S/repo" && cp -a . "$S/repo/" && rm -rf "$S/repo/.build"
+}
+
+# The kernel-level A/B's command (run.py), its builds and DeepGEMM cache kept in $S/work.
+RUN=(python3 benchmarks/moe_dispatch/run.py --flashinfer .fi/flashinfer-0.7.2.post1-src.tar.xz
+     --work "$S/work")
+
+case "$step" in
+smoke)
+    copy_repo
+    cd "$S/repo" || exit 1
+    nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,power.draw,temperature.gpu \
+        --format=csv > "$S/out/nvidia-smi-start.csv"
+    timeout 480 "${RUN[@]}" --out "$S/out/smoke" --quick --routings uniform,same_rank,zipf2,pool8 \
+        --no-calibration > "$S/out/smoke.log" 2>&1
+    rc=$?
+    tail -n 25 "$S/out/smoke.log"
+    if [ $rc -ne 0 ]; then
+        echo "smoke failed (exit $rc); the full run was not started"
+        exit $rc
+    fi
+    setsid nohup bash benchmarks/moe_dispatch/h200.sh full > "$S/out/full.log" 2>&1 < /dev/null &
+    echo "full run started in the background (pid $!)"
+    ;;
+full)
+    cd "$S/repo" || exit 1
+    # Most important first; every step writes its files as it goes and has a time limit.
+    echo "[$(date +%T)] kernel-level A/B"
+    timeout 900 "${RUN[@]}" --out "$S/out/kernel" > "$S/out/kernel.log" 2>&1
+    echo "[$(date +%T)] kernel-level A/B: exit $?"
+    echo "[$(date +%T)] fused op: build, FlashInfer's tests on the fix module, A/B"
+    fused() { timeout "$1" bash benchmarks/fused_moe/h200.sh "$2" "$S/out/fused"; }
+    { fused 600 build && MODES=per_expert fused 600 test && fused 600 bench; } \
+        > "$S/out/fused.log" 2>&1
+    echo "[$(date +%T)] fused op: exit $?"
+    echo "[$(date +%T)] H20 emulations"
+    timeout 600 "${RUN[@]}" --out "$S/out/emulated" --no-main --no-calibration --emulate all \
+        > "$S/out/emulated.log" 2>&1
+    echo "[$(date +%T)] H20 emulations: exit $?"
+    echo "[$(date +%T)] the patch's test on the stock module (it must fail there)"
+    MODES=stock fused 600 test > "$S/out/fused-stock-tests.log" 2>&1
+    echo "[$(date +%T)] stock-module tests: exit $?"
+    nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,power.draw,temperature.gpu \
+        --format=csv > "$S/out/nvidia-smi-end.csv"
+    echo "[$(date +%T)] done"
+    ;;
+wait)
+    limit=${2:-500}
+    for _ in $(seq 1 "$limit"); do
+        grep -q "\] done" "$S/out/full.log" 2>/dev/null && break
+        sleep 1
+    done
+    cat "$S/out/full.log" 2>/dev/null
+    for f in kernel fused emulated; do
+        [ -f "$S/out/$f.log" ] && { echo "--- $f.log"; tail -n 4 "$S/out/$f.log"; }
+    done
+    ;;
+collect)
+    OUT=$(realpath -m "${2:?output directory}")
+    mkdir -p "$OUT"
+    for part in kernel fused emulated smoke; do
+        [ -d "$S/out/$part" ] && tar -czf "$OUT/$part.tgz" -C "$S/out" "$part"
+    done
+    tar -czf "$OUT/logs.tgz" -C "$S/out" $(cd "$S/out" && ls ./*.log ./*.csv 2>/dev/null)
+    ls -la "$OUT"
+    ;;
+*)
+    echo "unknown step $step (smoke|full|wait|collect)" >&2
+    exit 2
+    ;;
+esac
