@@ -114,7 +114,12 @@ CALIB_DECLS = (
 )
 # ... and into DeepGEMM's host launchers: the grid a persistent kernel gets (VLLM_H20_GRID_SMS).
 GRID_LINE = "  config.gridDim = num_sms;"
-GRID_HOOK = "  config.gridDim = vllm_h20_grid(num_sms);"
+GRID_HOOK = (
+    "  if (vllm_h20_carveout()) {\n"
+    "    cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout, 100);\n"
+    "  }\n"
+    "  config.gridDim = vllm_h20_grid(num_sms);"
+)
 WARMUPS, SAMPLES = 5, 24
 
 
@@ -166,7 +171,8 @@ def prepare_sources(data: Path, work: Path, variant: str) -> Path:
         f = nv / FP8_GEMM_CUH
         text = f.read_text()
         assert text.count(GRID_LINE) >= 2, f"DeepGEMM's launchers changed: update {GRID_LINE!r}"
-        f.write_text("int vllm_h20_grid(int);\n" + text.replace(GRID_LINE, GRID_HOOK))
+        f.write_text("int vllm_h20_grid(int);\nbool vllm_h20_carveout();\n"
+                     + text.replace(GRID_LINE, GRID_HOOK))  # fmt: skip
     return nv
 
 
@@ -201,6 +207,16 @@ VERSIONS = (
     Version("fix", "patched", "fixed"),
     Version("fix_again", "patched", "fixed"),
     Version("split", "calib", "fixed", SPLIT),
+)
+# --explore: does the second launch cost less when no kernel changes the shared-memory carveout?
+EXPLORE = (
+    Version("stock", "stock", "stock"),
+    Version("avg", "calib", "fixed", AVG_ONLY),
+    Version("prev", "calib", "fixed", PREV),
+    Version("prev_co", "calib", "fixed", (4, 0)),
+    Version("fix", "patched", "fixed"),
+    Version("split", "calib", "fixed", SPLIT),
+    Version("split_co", "calib", "fixed", (5, 128)),
 )
 # The emulations' columns, all from the calib build (one module per process).
 EMU_VERSIONS = (
@@ -762,6 +778,10 @@ def main() -> None:
                     help="comma-separated H20 emulations to run after the A/B: "
                          + ", ".join(e[0] for e in EMULATIONS) + ", or 'all'")  # fmt: skip
     ap.add_argument("--no-calibration", action="store_true", help="skip the forced-kernel sweep")
+    ap.add_argument("--tokens", default="", help="comma-separated token counts (default: all)")
+    ap.add_argument("--explore", action="store_true",
+                    help="other versions: the previous plan and the split with the largest "
+                         "shared-memory carveout for every kernel")  # fmt: skip
     ap.add_argument("--emulate-child", default="", help=argparse.SUPPRESS)
     args = ap.parse_args()
     os.environ.setdefault("TRTLLM_DG_CACHE_DIR", str(args.work / "deepgemm"))
@@ -798,8 +818,11 @@ def main() -> None:
     log(f"device: {result['device']['nvidia_smi']}; {num_sms} SMs")
 
     token_list = cases.TOKENS if not args.quick else (1, 128, 2048)
+    if args.tokens:
+        token_list = tuple(int(x) for x in args.tokens.split(","))
     procs = min(args.jobs, 16)
-    jobs = [] if args.no_main else warm_jobs(VERSIONS, token_list)
+    run_versions = EXPLORE if args.explore else VERSIONS
+    jobs = [] if args.no_main else warm_jobs(run_versions, token_list)
     jobs += [] if args.no_calibration else calib_jobs()
     log(f"compiling {len(jobs)} DeepGEMM kernel choices in {procs} processes")
     t0 = time.time()
@@ -823,9 +846,9 @@ def main() -> None:
     if tf:
         result["fp8_tflops_measured"] = tf
     log(f"copy bandwidth {bw / 1e12:.2f} TB/s (read + write); FP8 8192^3 GEMM {tf} TFLOP/s")
-    versions = {v.name: (mods[v.variant], v.kind, v.rule) for v in VERSIONS}
+    versions = {v.name: (mods[v.variant], v.kind, v.rule) for v in run_versions}
     result["versions"] = {v.name: {"variant": v.variant, "expected_m": v.kind, "rule": v.rule}
-                          for v in VERSIONS}  # fmt: skip
+                          for v in run_versions}  # fmt: skip
 
     # --- A/B per routing x tokens, every rank, every version -------------------------------
     rows: list[dict] = []

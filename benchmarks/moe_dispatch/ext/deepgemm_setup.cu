@@ -20,13 +20,18 @@ int vllm_h20_force_branch = 0;
 // patch decides for this GPU); 1 = one launch chosen from expected_m (the average-only fix,
 // patch 0001 alone); 3 = the previous per-expert plan (two row classes: swap-A/B tiles sized for
 // the busiest expert of balanced routing, the regular kernel above a boundary; one launch up to
-// 128 tokens). split_rows (mode 0): 0 = the patch's own; else a second, regular launch for the
+// 128 tokens); 4 / 5 = 3 / 0 with the largest carveout. split_rows (mode 0, 5): 0 = the patch's
+// own; else a second, regular launch for the
 // experts with more than 128 rows whenever the token count exceeds it.
 int vllm_h20_rule_mode = 0, vllm_h20_rule_split_rows = 0;
 
 bool vllm_h20_single_launch() { return vllm_h20_force_branch != 0 || vllm_h20_rule_mode == 1; }
 
-bool vllm_h20_prev_plan() { return vllm_h20_rule_mode == 3; }
+bool vllm_h20_prev_plan() { return vllm_h20_rule_mode == 3 || vllm_h20_rule_mode == 4; }
+
+// Modes 4 and 5: mode 3 / 0 with every kernel preferring the largest shared-memory carveout, so
+// consecutive kernels of other shared-memory sizes never make the SMs reconfigure.
+bool vllm_h20_carveout() { return vllm_h20_rule_mode >= 4; }
 
 unsigned vllm_h20_split_rows(unsigned patch_rows) {
   return vllm_h20_rule_split_rows > 0 ? unsigned(vllm_h20_rule_split_rows) : patch_rows;
