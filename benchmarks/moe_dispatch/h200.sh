@@ -9,8 +9,11 @@
 #   benchmarks/moe_dispatch/h200.sh wait S  # follow the background run for up to S seconds
 #   benchmarks/moe_dispatch/h200.sh collect OUT   # what exists so far, as <= 8 files, into OUT
 #
-# Needs .fi/ (carried): the FlashInfer 0.7.2.post1 source tarball (moe_dispatch/fetch_sources.py)
-# and the FlashInfer 0.6.14 wheels + tests (fused_moe/stage.py).
+# SERIES=candidates/fitted-row-tiles measures that patch series (under patches/flashinfer/)
+# instead of the shipped one, in the kernel-level runs (--series) and the fused op
+# (VLLM_H20_PATCH_SERIES). Needs .fi/ (carried): the FlashInfer 0.7.2.post1 source tarball
+# (moe_dispatch/fetch_sources.py) and the FlashInfer 0.6.14 wheels + tests (fused_moe/stage.py,
+# run with the same VLLM_H20_PATCH_SERIES so that the series' own test is staged).
 set -uo pipefail
 step=${1:?smoke|full|wait|collect}
 S=/tmp/moe-session
@@ -23,7 +26,10 @@ copy_repo() {
 
 # The kernel-level A/B's command (run.py), its builds and DeepGEMM cache kept in $S/work.
 RUN=(python3 benchmarks/moe_dispatch/run.py --flashinfer .fi/flashinfer-0.7.2.post1-src.tar.xz
-     --work "$S/work")
+     --work "$S/work" --series "${SERIES:-}")
+if [ -n "${SERIES:-}" ]; then
+    export VLLM_H20_PATCH_SERIES=$SERIES
+fi
 
 case "$step" in
 smoke)

@@ -15,13 +15,14 @@ device's peak (assumptions in report.py)."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
 import cases
 import numpy as np
 
-from vllm_h20.moe.expected_m import per_expert_expected_m, swap_threshold
+from vllm_h20.moe.expected_m import fit_n, fitted_tiles, per_expert_expected_m, swap_threshold
 
 
 def best_block(shape_m: int, shape_n: int, num_groups: int, sms: int) -> tuple[int, int]:
@@ -168,6 +169,70 @@ def launches(counts, tokens: int, version: str, sms: int) -> list[tuple[str, lis
     ]
 
 
+def fitted_terms(counts: np.ndarray, shape, widest: int):
+    """(weight bytes, re-read bytes, padded MMA flops) of one fitted swap-A/B GEMM: each expert's
+    rows in tiles of `widest` rows, the last narrowed to its rest rounded up to 16."""
+    active = counts[counts > 0]
+    tiles = [fitted_tiles(int(r), widest) for r in active]
+    per_expert = shape.weight_bytes(1)
+    return (
+        per_expert * len(active),
+        per_expert * float(sum(len(t) - 1 for t in tiles)),
+        2.0 * shape.n * shape.k * float(sum(sum(t) for t in tiles)),
+    )
+
+
+def candidate_launches(counts, tokens: int) -> list[tuple[str, list]]:
+    """The fitted-row-tile candidate: one fitted launch per GEMM (plan_launches)."""
+    return [("fitted", [fitted_terms(counts, s, fit_n(tokens)) for s in cases.SHAPES])]
+
+
 def predict(fits: dict, counts, tokens: int, version: str, sms: int) -> float:
-    """Seconds for one rank's FC1 + FC2 under a version (each launch pays its c0)."""
-    return sum(fits[p].predict(terms) for p, terms in launches(counts, tokens, version, sms))
+    """Seconds for one rank's FC1 + FC2 under a version (each launch pays its c0): stock,
+    fixed (average-only), split (the shipped per-expert plan) or fitted (the candidate)."""
+    plan = (candidate_launches(counts, tokens) if version == "fitted"
+            else launches(counts, tokens, version, sms))  # fmt: skip
+    return sum(fits[p].predict(terms) for p, terms in plan)
+
+
+def slowest_rank(fits: dict, routing: str, tokens: int, version: str, sms: int) -> float:
+    """Predicted seconds of the slowest of the EP ranks for one case (the measured quantity)."""
+    slots = cases.route(routing, tokens)
+    return max(
+        predict(fits, cases.rank_counts(slots, k), tokens, version, sms) for k in range(cases.EP)
+    )
+
+
+def on_device(fits: dict, tc: float, bw: float) -> dict:
+    """The fits carried to another GPU: every kernel at one tensor rate and one bandwidth (their
+    c0 and re-read share kept)."""
+    return {p: dataclasses.replace(f, tc=tc, bw=bw) for p, f in fits.items()}
+
+
+def calibrate_to_seed(
+    fits: dict, overhead: float, sms: int = 78, stock_s: float = 1.808e-3, fixed_s: float = 0.564e-3
+) -> tuple[float, float]:
+    """(tensor rate, bandwidth) that reproduce the seed's H20 uniform-288 fused-op times, stock
+    compute-bound and the average-only fix bandwidth-bound, given the fused op's other kernels
+    (overhead seconds). Alternates two one-dimensional root finds until both agree."""
+
+    def gap(tc: float, bw: float, version: str, target: float) -> float:
+        f = on_device(fits, tc, bw)
+        return slowest_rank(f, "uniform", 288, version, sms) + overhead - target
+
+    tc, bw = 250e12, 3.5e12
+    for _ in range(6):
+        tc = _root(lambda x, bw=bw: gap(x, bw, "stock", stock_s), 20e12, 2000e12)
+        bw = _root(lambda x, tc=tc: gap(tc, x, "fixed", fixed_s), 0.2e12, 10e12)
+    return tc, bw
+
+
+def _root(fn, lo: float, hi: float, iters: int = 80) -> float:
+    """Bisection for a function that decreases in its argument (times fall as rates rise)."""
+    for _ in range(iters):
+        mid = (lo * hi) ** 0.5
+        if fn(mid) > 0:
+            lo = mid
+        else:
+            hi = mid
+    return (lo * hi) ** 0.5

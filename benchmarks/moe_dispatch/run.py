@@ -75,19 +75,32 @@ FP8_GEMM_CUH = "tensorrt_llm/deep_gemm/fp8_gemm.cuh"
 GEMM_CU = "tensorrt_llm/kernels/cutlass_kernels/fp8_blockscale_gemm/fp8_blockscale_gemm.cu"
 SMS_LINE = "static int kNumDeviceSMs = -1;"
 PLAN_LINE = "  LaunchPlan plan = plan_launches(max_m_per_problem, split_rows_for(num_device_sms));"
+SINGLE_LAUNCH_HOOK = (
+    "  if (max_m_per_problem == 0) {",
+    "  if (max_m_per_problem == 0 || vllm_h20_single_launch()) {",
+)
+FORCE_BRANCH_HOOK = (
+    "    if (expected_m >= m_per_expert_threshold) {",
+    "    if (vllm_h20_force_branch != 0 ? vllm_h20_force_branch > 0\n"
+    "                                   : expected_m >= m_per_expert_threshold) {",
+)
+SMS_HOOK = (SMS_LINE, "static int kNumDeviceSMs = vllm_h20_num_sms_override();")
 # The calibration build's hooks into the patched grouped_gemm_dispatch (deepgemm_setup.cu defines
 # them): (line in the patched source, what replaces it). Each line must occur exactly once.
-CALIB_HOOKS = (
-    ("  if (max_m_per_problem == 0) {",
-     "  if (max_m_per_problem == 0 || vllm_h20_single_launch()) {\n"
+# The shipped series (row classes, plan_row_classes): one launch from expected_m (the average-only
+# fix), forced branches, the SM count.
+SHIPPED_HOOKS = (SINGLE_LAUNCH_HOOK, FORCE_BRANCH_HOOK, SMS_HOOK)
+# The fitted-row-tile candidate (plan_launches): those, a forced fitted launch, the previous plan
+# (the shipped series' rule, run from this build's row classes) and a split.
+FITTED_HOOKS = (
+    (SINGLE_LAUNCH_HOOK[0],
+     SINGLE_LAUNCH_HOOK[1] + "\n"
      "    if (vllm_h20_force_branch == 2) {\n"
      "      run_fitted(std::min<uint32_t>(kMaxFitN, (std::max<uint32_t>(expected_m, 1) + 15) / 16"
      " * 16), {});\n"
      "      return;\n"
      "    }"),
-    ("    if (expected_m >= m_per_expert_threshold) {",
-     "    if (vllm_h20_force_branch != 0 ? vllm_h20_force_branch > 0\n"
-     "                                   : expected_m >= m_per_expert_threshold) {"),
+    FORCE_BRANCH_HOOK,
     (PLAN_LINE,
      "  if (vllm_h20_prev_plan()) {\n"
      "    unsigned cold_m, boundary, hot_m;\n"
@@ -103,8 +116,9 @@ CALIB_HOOKS = (
      "  }\n"
      "  LaunchPlan plan = plan_launches(\n"
      "      max_m_per_problem, vllm_h20_split_rows(split_rows_for(num_device_sms)));"),
-    (SMS_LINE, "static int kNumDeviceSMs = vllm_h20_num_sms_override();"),
+    SMS_HOOK,
 )  # fmt: skip
+CANDIDATE = "candidates/fitted-row-tiles"
 CALIB_DECLS = (
     "extern int vllm_h20_force_branch;\nint vllm_h20_num_sms_override();\n"
     "bool vllm_h20_single_launch();\nbool vllm_h20_prev_plan();\n"
@@ -149,14 +163,22 @@ def unpack_flashinfer(archive: Path, work: Path) -> Path:
     return dest
 
 
-def prepare_sources(data: Path, work: Path, variant: str) -> Path:
-    """A private copy of csrc/nv_internal for one variant (patched and calib get the patch)."""
+def series_patches(series: str = "") -> list[Path]:
+    """The patch files of a series under patches/flashinfer/ ("": the shipped one)."""
+    files = sorted((REPO / "patches" / "flashinfer" / series).glob("*.patch"))
+    if not files:
+        raise SystemExit(f"no patches in patches/flashinfer/{series}")
+    return files
+
+
+def prepare_sources(data: Path, work: Path, variant: str, series: str = "") -> Path:
+    """A private copy of csrc/nv_internal for one variant (patched and calib get the series)."""
     nv = work / variant / "nv_internal"
     if nv.exists():
         return nv
     shutil.copytree(data / "csrc" / "nv_internal", nv)
     if variant in ("patched", "calib"):
-        for patch in sorted((REPO / "patches" / "flashinfer").glob("*.patch")):
+        for patch in series_patches(series):
             for diff in read_patch(patch).files:
                 if diff.path.startswith("csrc/nv_internal/"):
                     f = nv / diff.path[len("csrc/nv_internal/") :]
@@ -164,7 +186,8 @@ def prepare_sources(data: Path, work: Path, variant: str) -> Path:
     if variant == "calib":
         f = nv / KERNEL_CUH
         text = f.read_text()
-        for line, hook in CALIB_HOOKS:
+        hooks = FITTED_HOOKS if "plan_launches(" in text else SHIPPED_HOOKS
+        for line, hook in hooks:
             assert text.count(line) == 1, f"grouped_gemm_dispatch changed: update {line!r}"
             text = text.replace(line, hook)
         f.write_text(CALIB_DECLS + text)
@@ -196,11 +219,18 @@ class Version:
 
 
 AVG_ONLY = (1, 0)  # one launch chosen from the per-expert average: the 0001 patch alone
-PREV = (3, 0)  # the previous 0002: two row classes, swap-A/B tiles sized for the busiest expert
+PREV = (3, 0)  # the shipped 0002's plan, in the candidate's build: two row classes
 SPLIT = (0, 128)  # fitted tiles + a regular launch for experts with > 128 rows above 128 tokens
-# The run's columns: stock, the average-only fix (0001), the previous per-expert plan, the
-# per-expert dispatch (0001 + 0002), the latter again (A/A: the noise floor), and the split.
+# The run's columns: stock, the average-only fix (0001), the per-expert dispatch of the series
+# (0001 + 0002), the latter again (A/A: the noise floor); for the fitted-row-tile candidate also
+# the shipped series' plan (prev) and the split.
 VERSIONS = (
+    Version("stock", "stock", "stock"),
+    Version("avg", "calib", "fixed", AVG_ONLY),
+    Version("fix", "patched", "fixed"),
+    Version("fix_again", "patched", "fixed"),
+)
+CANDIDATE_VERSIONS = (
     Version("stock", "stock", "stock"),
     Version("avg", "calib", "fixed", AVG_ONLY),
     Version("prev", "calib", "fixed", PREV),
@@ -231,10 +261,10 @@ EMULATIONS = (("emulated_78sm", 78, 78), ("emulated_h20_40sm", 78, 40),
               ("emulated_h20_20sm", 78, 20))  # fmt: skip
 
 
-def build_variant(data: Path, work: Path, variant: str):
+def build_variant(data: Path, work: Path, variant: str, series: str = ""):
     import torch.utils.cpp_extension as ext
 
-    nv = prepare_sources(data, work, variant)
+    nv = prepare_sources(data, work, variant, series)
     build = work / variant / "build"
     build.mkdir(parents=True, exist_ok=True)
     defines = {"stock": [], "patched": ["-DVLLM_H20_PATCHED"],
@@ -279,9 +309,9 @@ def load_built(work: Path, variant: str):
 
 
 def _build_in_child(args) -> tuple[str, float]:
-    data, work, variant = args
+    data, work, variant, *series = args
     t0 = time.time()
-    build_variant(Path(data), Path(work), variant)
+    build_variant(Path(data), Path(work), variant, *series)
     return variant, time.time() - t0
 
 
@@ -572,14 +602,15 @@ def emulate_child(args) -> None:
                 "sms": int(os.environ["VLLM_H20_NUM_SMS"]),
                 "grid": int(os.environ.get("VLLM_H20_GRID_SMS", os.environ["VLLM_H20_NUM_SMS"])),
                 "threshold": 64, "ab": rows})  # fmt: skip
-    calib = calibrate(gpu, mod, EMU_CALIB_M)
+    fitted = "plan_launches(" in (args.work / "calib" / "nv_internal" / KERNEL_CUH).read_text()
+    calib = calibrate(gpu, mod, EMU_CALIB_M, fitted)
     doc = json.loads((args.out / f"{args.emulate_child}.json").read_text())
     write_json(args.out / f"{args.emulate_child}.json", doc | {"calibration": calib})
 
 
-def calibrate(gpu: Gpu, mod, ms: tuple[int, ...]) -> list[dict]:
-    """Regular vs swap-A/B vs fitted swap-A/B at forced rows per expert (every expert m rows,
-    one launch): the single-GEMM points the model is fitted on."""
+def calibrate(gpu: Gpu, mod, ms: tuple[int, ...], fitted: bool) -> list[dict]:
+    """Regular vs swap-A/B (vs fitted swap-A/B, in the candidate's build) at forced rows per
+    expert (every expert m rows, one launch): the single-GEMM points the model is fitted on."""
     torch = gpu.torch
     out_rows = []
     for s in cases.SHAPES:
@@ -592,7 +623,8 @@ def calibrate(gpu: Gpu, mod, ms: tuple[int, ...]) -> list[dict]:
             gg = mod.GroupedGemm(rows_, s.n, s.k, 1, cases.LOCAL, m)
             ws = torch.empty(max(gg.workspace_bytes, 1), dtype=torch.uint8, device="cuda")
             ts = {}
-            for name, force in (("regular", 1), ("swap_ab", -1), ("fitted", 2)):
+            kinds = (("regular", 1), ("swap_ab", -1), ("fitted", 2))
+            for name, force in kinds if fitted else kinds[:2]:
                 mod.force_branch(force)
                 g = graph_of(torch, lambda gg=gg, a=a, out=out, off=off, ws=ws, s=s: gg.run(
                     out, a, gpu.w[s.name], gpu.ws[s.name], off, ws))  # fmt: skip
@@ -632,10 +664,10 @@ def warm_jobs(versions, token_list) -> list[tuple]:
     return sorted(jobs, key=repr)
 
 
-def calib_jobs(ms=cases.CALIB_M) -> list[tuple]:
+def calib_jobs(ms=cases.CALIB_M, forces=(1, -1)) -> list[tuple]:
     return sorted(("calib", AVG_ONLY, si, 4 * cases.LOCAL, 1, m, force)
                   for m in ms for si in range(len(cases.SHAPES))
-                  for force in (1, -1, 2))  # fmt: skip
+                  for force in forces)  # fmt: skip
 
 
 def compile_kernels(data: Path, work: Path, jobs: list[tuple], procs: int, env: dict) -> list:
@@ -732,7 +764,7 @@ def emulate(args, name: str, sms: int, grid: int) -> dict:
     env = dict(os.environ, VLLM_H20_NUM_SMS=str(sms), VLLM_H20_GRID_SMS=str(grid))
     emu = subprocess.run(
         [sys.executable, __file__, "--flashinfer", str(args.flashinfer), "--out", str(args.out),
-         "--work", str(args.work), "--emulate-child", name],
+         "--work", str(args.work), "--emulate-child", name],  # args.work: the series' own
         env=env, capture_output=True, text=True,
     )  # fmt: skip
     f = args.out / f"{name}.json"
@@ -779,6 +811,9 @@ def main() -> None:
                          + ", ".join(e[0] for e in EMULATIONS) + ", or 'all'")  # fmt: skip
     ap.add_argument("--no-calibration", action="store_true", help="skip the forced-kernel sweep")
     ap.add_argument("--tokens", default="", help="comma-separated token counts (default: all)")
+    ap.add_argument("--series", default="",
+                    help=f"patch series under patches/flashinfer/ to build (default: the shipped "
+                         f"one), e.g. {CANDIDATE}")  # fmt: skip
     ap.add_argument("--explore", action="store_true",
                     help="other versions: the previous plan and the split with the largest "
                          "shared-memory carveout for every kernel")  # fmt: skip
@@ -786,13 +821,16 @@ def main() -> None:
     args = ap.parse_args()
     os.environ.setdefault("TRTLLM_DG_CACHE_DIR", str(args.work / "deepgemm"))
     os.environ.setdefault("TRTLLM_DG_NVCC_COMPILER", shutil.which("nvcc") or "nvcc")
+    series = args.series.strip("/")
+    if series:  # builds of another series live apart from the shipped series' builds
+        args.work = args.work / series.replace("/", "-")
     if args.emulate_child:
         return emulate_child(args)
     args.out.mkdir(parents=True, exist_ok=True)
     args.work.mkdir(parents=True, exist_ok=True)
     os.environ.setdefault("MAX_JOBS", str(args.jobs))
     t_start = time.time()
-    result: dict = {"command": " ".join(sys.argv), "phases": {}}
+    result: dict = {"command": " ".join(sys.argv), "phases": {}, "series": series or "shipped"}
     out_json = args.out / "moe_dispatch_h200.json"
     routings = [r for r in args.routings.split(",") if r]
     unknown = sorted(set(routings) - set(cases.ALL_ROUTINGS))
@@ -806,7 +844,9 @@ def main() -> None:
     log(f"building {', '.join(VARIANTS)} from {args.flashinfer.name}")
     t0 = time.time()
     with cf.ProcessPoolExecutor(len(VARIANTS)) as pool:
-        built = dict(pool.map(_build_in_child, [(str(data), str(args.work), v) for v in VARIANTS]))
+        jobs = [(str(data), str(args.work), v, series) for v in VARIANTS]
+        built = dict(pool.map(_build_in_child, jobs))
+    candidate = "plan_launches(" in (args.work / "patched" / "nv_internal" / KERNEL_CUH).read_text()
     result["phases"]["build_s"] = time.time() - t0
     log(f"built in {result['phases']['build_s']:.0f} s: {built}")
 
@@ -821,14 +861,17 @@ def main() -> None:
     if args.tokens:
         token_list = tuple(int(x) for x in args.tokens.split(","))
     procs = min(args.jobs, 16)
-    run_versions = EXPLORE if args.explore else VERSIONS
+    if args.explore and not candidate:
+        raise SystemExit(f"--explore needs the fitted-row-tile series (--series {CANDIDATE})")
+    run_versions = EXPLORE if args.explore else CANDIDATE_VERSIONS if candidate else VERSIONS
     jobs = [] if args.no_main else warm_jobs(run_versions, token_list)
-    jobs += [] if args.no_calibration else calib_jobs()
+    forces = (1, -1, 2) if candidate else (1, -1)
+    jobs += [] if args.no_calibration else calib_jobs(cases.CALIB_M, forces)
     log(f"compiling {len(jobs)} DeepGEMM kernel choices in {procs} processes")
     t0 = time.time()
     warm = compile_kernels(data, args.work, jobs, procs, {}) if jobs else []
     if emulations:
-        emu_jobs = warm_jobs(EMU_VERSIONS, EMULATED_TOKENS) + calib_jobs(EMU_CALIB_M)
+        emu_jobs = warm_jobs(EMU_VERSIONS, EMULATED_TOKENS) + calib_jobs(EMU_CALIB_M, forces)
         warm += compile_kernels(data, args.work, emu_jobs, procs, {"VLLM_H20_NUM_SMS": "78"})
     result["phases"]["deepgemm_jit_s"] = time.time() - t0
     kernels = sorted(p.name for p in (Path(os.environ["TRTLLM_DG_CACHE_DIR"]) / "cache").iterdir())
@@ -868,7 +911,7 @@ def main() -> None:
     result["phases"]["ab_s"] = time.time() - t_start
 
     if not args.no_calibration:
-        result["calibration"] = calibrate(gpu, mods["calib"], cases.CALIB_M)
+        result["calibration"] = calibrate(gpu, mods["calib"], cases.CALIB_M, candidate)
         write_json(out_json, result)
     del gpu
     torch.cuda.empty_cache()

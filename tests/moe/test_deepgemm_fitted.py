@@ -1,7 +1,8 @@
-"""The per-expert dispatch's DeepGEMM side, compiled here with nvcc for sm_90a (no GPU needed).
+"""The fitted-row-tile candidate (patches/flashinfer/candidates/fitted-row-tiles), compiled here
+with nvcc for sm_90a (no GPU needed).
 
 DeepGEMM compiles its kernels at run time from the headers the module points it at. These
-tests take the headers from a real overlay of the installed FlashInfer with the shipped patch
+tests take the headers from a real overlay of the installed FlashInfer with the candidate patch
 series, let the patched `generateKernel` write the kernel sources the dispatch launches (the
 fitted swap-A/B kernel alone, and with a row class, as a split launches it), and compile them:
 they build against the overlay with no register spills, their cubins hold the fitted kernel,
@@ -23,6 +24,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from vllm_h20.moe import expected_m, overlay, precompile
+from vllm_h20.moe.patchfile import read_patch
 
 KERNEL_CUH = (
     "nv_internal/tensorrt_llm/kernels/cutlass_kernels/fp8_blockscale_gemm/"
@@ -63,8 +65,12 @@ def _nvcc() -> str:
     return nvcc
 
 
+CANDIDATE = overlay.patches_dir() / "flashinfer" / "candidates" / "fitted-row-tiles"
+
+
 @pytest.fixture(scope="module")
-def overlay_csrc(installed_fi, patches, tmp_path_factory) -> Path:
+def overlay_csrc(installed_fi, tmp_path_factory) -> Path:
+    patches = [read_patch(p) for p in sorted(CANDIDATE.glob("*.patch"))]
     a = overlay.assess(installed_fi, patches)
     assert a.state is overlay.FixState.NEEDS_PATCH, a.detail
     ov = overlay.build_overlay(

@@ -127,3 +127,19 @@ def test_touched_sources_are_the_four_that_include_patched_files(
         "flashinfer_cutlass_fused_moe_binding.cu",
         "fp8_blockscale_gemm.cu",
     ]
+
+
+def test_a_candidate_series_replaces_the_shipped_one_and_a_typo_is_one_line(monkeypatch):
+    """VLLM_H20_PATCH_SERIES picks a series under patches/flashinfer/candidates/ (its own
+    v<release>/ variant where it has one); an unknown name is refused naming the ones there are."""
+    shipped = [p.subject for p in overlay.shipped_patches("0.7.4")]
+    monkeypatch.setenv(overlay.SERIES_ENV, "candidates/fitted-row-tiles")
+    assert overlay.series_name("0.7.4") == "flashinfer/candidates/fitted-row-tiles"
+    assert overlay.series_name("0.6.14") == "flashinfer/candidates/fitted-row-tiles/v0.6.14"
+    candidate = [p.subject for p in overlay.shipped_patches("0.7.4")]
+    assert candidate[0] == shipped[0] and candidate[1] != shipped[1]
+    assert "fit the SM90 FP8 block-scale row tile" in candidate[1]
+    monkeypatch.setenv(overlay.SERIES_ENV, "candidates/fited")
+    with pytest.raises(PatchError, match="one of: candidates/fitted-row-tiles") as e:
+        overlay.shipped_patches("0.7.4")
+    assert "\n" not in str(e.value)

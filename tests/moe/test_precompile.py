@@ -1,6 +1,6 @@
 """`vllm-h20 kernels precompile`: the fix's DeepGEMM kernels planned from the patched headers and
-compiled with nvcc for sm_90a here (no GPU), checked against the kernels the H200 compiled for
-the fix in the kernel-level A/B (benchmarks/results/moe_dispatch_h200.json, `kernels`)."""
+compiled with nvcc for sm_90a here (no GPU), checked against what a fix server compiled on the
+H200 (benchmarks/results/serve_h200/round3-four-moe-paths/logs/deepgemm-cache.txt)."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from vllm_h20.moe import overlay
 from vllm_h20.moe import precompile as pc
 
 ROOT = Path(__file__).resolve().parents[2]
-PUBLISHED = ROOT / "benchmarks/results/moe_dispatch_h200.json"
+ROUND3 = ROOT / "benchmarks/results/serve_h200/round3-four-moe-paths/logs/deepgemm-cache.txt"
 # The serve_h200 test model's MoE (benchmarks/serve_h200/make_model.py): V4.1-Flash's experts.
 H200_MODEL = pc.MoeShape(hidden=5120, inter=2304, experts=384, top_k=6)
 
@@ -47,38 +47,38 @@ def _names(planner: Path, shape: pc.MoeShape, sms: int, tokens: int, out: Path) 
     return [k.name for k in pc.plan_kernels(planner, shape, sms, tokens, out)]
 
 
-def _widths(names: list[str]) -> list[int]:
-    """The widest row tiles (block_n, the fourth number of the cache name) of fitted kernels."""
-    return sorted({int(re.match(r"gemm_swapAB_\d+_\d+_\d+_(\d+)_", n).group(1)) for n in names})
-
-
-def test_the_plan_covers_every_kernel_the_h200_run_compiled_for_the_fix(planner, tmp_path):
-    """The kernel-level A/B compiled the fix's kernels for V4.1-Flash FC1/FC2 on an EP8 rank
-    (50 expert slots, 132 SMs) at 1-4,096 tokens; the plan for that model must hold every one
-    (the run's cache also holds the other versions' kernels: stock, average-only, the previous
-    plan, the split, which the fix never launches)."""
-    shape = pc.MoeShape(hidden=5120, inter=2304, experts=384, top_k=6, ep_size=8, redundant=16)
-    names = set(_names(planner, shape, 132, 4096, tmp_path))
-    compiled = json.loads(PUBLISHED.read_text())["kernels"]
-    fix = {n for n in compiled if "_fit_" in n and "_rows" not in n}
-    assert fix and fix <= names, sorted(fix - names)
+def test_the_plan_covers_every_kernel_a_fix_server_compiled_on_the_h200(planner, tmp_path):
+    """Round 3's fix server compiled these while serving (~2.3 s each, the engine waiting); the
+    plan for its model, 132 SMs and vLLM's default 8,192-token steps must hold every one. The
+    cache also held the stock server's kernels (same directory): the unrestricted regular
+    kernels, which the fix never launches (its regular launch always has a row class)."""
+    names = set(_names(planner, H200_MODEL, 132, 8192, tmp_path))
+    seen = {line.split()[3].split("/")[1] for line in ROUND3.read_text().splitlines()}
+    stock_only = {n for n in seen if n.startswith("gemm_") and not n.startswith("gemm_swapAB")
+                  and "_rows" not in n}  # fmt: skip
+    assert len(stock_only) == 4
+    assert seen - stock_only <= names
+    assert len(names) == 58
     # Every kernel's source was written by the patched generateKernel.
-    src = tmp_path / "gemm_swapAB_4608_5120_128_128_128_50_550_5_1_fit_GroupedWithOffset.cu"
-    assert "fp8_gemm_kernel_swapAB_fit<4608, 5120, 128, 128, 128, 50, 5, " in src.read_text()
+    src = tmp_path / "gemm_swapAB_4608_5120_128_40_128_384_6384_6_1_rows1-40_GroupedWithOffset.cu"
+    want = "SchedulerSelectorSwapAB<GemmType::GroupedWithOffset, 4608, 5120, 128, 40, 128, 384, "
+    assert want + "1, 36, 16, 1, 40>::type" in src.read_text()
 
 
 def test_the_plan_follows_the_dispatch(planner, tmp_path):
-    """One fitted swap-A/B launch per GEMM at every step size, its widest row tile the step's
-    tokens rounded up to 16, at most 128: eight kernels per GEMM cover every step size, on an
-    H200 and on an H20 with EP8 (48 experts per rank) alike."""
-    small = _names(planner, H200_MODEL, 132, 40, tmp_path / "a")
-    assert _widths(small) == [16, 32, 48] and len(small) == 6
-    for sms, ep in ((132, 1), (78, 8)):
+    """Up to 128 tokens one swap-A/B launch with no row class; beyond, a swap-A/B class 1..T
+    and a regular class T+1.., T a multiple of 8 between the threshold (32; 64 on 78 SMs) and
+    128. On an H20 with EP8 (48 experts per rank) the same rules hold with its threshold."""
+    small = _names(planner, H200_MODEL, 132, 128, tmp_path / "a")
+    assert small and all(n.startswith("gemm_swapAB_") and "_rows" not in n for n in small)
+    for sms, ep, threshold in ((132, 1, 32), (78, 8, 64)):
         shape = pc.MoeShape(5120, 2304, 384, 6, ep_size=ep)
         names = _names(planner, shape, sms, 8192, tmp_path / f"b{sms}")
-        assert len(names) == len(set(names)) == 16
-        assert _widths(names) == list(range(16, 129, 16))
-        assert all(n.endswith("_fit_GroupedWithOffset") for n in names)
+        assert len(names) == len(set(names))
+        bounds = {int(m.group(1)) for n in names if (m := re.search(r"_rows1-(\d+)_", n))}
+        hot = {int(m.group(1)) - 1 for n in names if (m := re.search(r"_rows(\d+)-any_", n))}
+        assert bounds == hot and min(bounds) == threshold and max(bounds) == 128
+        assert all(b % 8 == 0 for b in bounds)
         assert all(f"_{shape.groups}_" in n for n in names)
 
 
@@ -122,10 +122,10 @@ def test_precompile_writes_the_cubins_deepgemm_loads_and_keeps_them(installed_fi
     assert (out["kernels"], out["compiled"], out["cached"], out["failed"]) == (2, 2, 0, 0)
     cubins = sorted((tmp_path / "dg" / "cache").glob("*/nvcc_kernel.cubin"))
     assert [c.parent.name for c in cubins] == [
-        "gemm_swapAB_4608_5120_128_16_128_384_8384_8_1_fit_GroupedWithOffset",
-        "gemm_swapAB_5120_2304_128_16_128_384_8384_8_1_fit_GroupedWithOffset",
+        "gemm_swapAB_4608_5120_128_16_128_384_8384_8_1_GroupedWithOffset",
+        "gemm_swapAB_5120_2304_128_16_128_384_8384_8_1_GroupedWithOffset",
     ]
-    assert all(b"fp8_gemm_kernel_swapAB_fit" in c.read_bytes() for c in cubins)
+    assert all(b"fp8_gemm_kernel_swapAB" in c.read_bytes() for c in cubins)
     assert not list((tmp_path / "dg").rglob("*.tmp-*"))
     again = json.loads(_cli(*args, **env).stdout)
     assert (again["compiled"], again["cached"]) == (0, 2)

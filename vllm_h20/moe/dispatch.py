@@ -12,6 +12,9 @@ process at plugin load):
   untouched (stock).
 - `VLLM_H20_STRICT=1`: a fix module that cannot be had (unknown FlashInfer, no nvcc, compile
   error, corrupt cache) is an error instead of one warning and FlashInfer's own module.
+
+`VLLM_H20_PATCH_SERIES` (read by `overlay.series_dir`) builds the fix from a candidate series
+under `patches/flashinfer/candidates/` instead of the shipped one.
 """
 
 from __future__ import annotations

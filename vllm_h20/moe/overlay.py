@@ -58,11 +58,24 @@ def cache_root() -> Path:
     return (Path(xdg) if xdg else Path.home() / ".cache") / "vllm-h20"
 
 
+SERIES_ENV = "VLLM_H20_PATCH_SERIES"
+
+
 def series_dir(version: str | None = None, project: str = "flashinfer") -> Path:
     """The patch series for a FlashInfer version: `patches/<project>/v<version>/` when the
     release needs its own variant of the patches (same change, other context lines), else
-    `patches/<project>/`."""
+    `patches/<project>/`. `$VLLM_H20_PATCH_SERIES` (e.g. `candidates/fitted-row-tiles`) picks
+    another series under `patches/flashinfer/` instead of the shipped one."""
     base = patches_dir() / project
+    chosen = os.environ.get(SERIES_ENV, "").strip().strip("/") if project == "flashinfer" else ""
+    if chosen:
+        known = {p.parent.relative_to(base).as_posix() for p in base.glob("candidates/*/*.patch")}
+        if chosen not in known:
+            raise PatchError(
+                f"{SERIES_ENV}={chosen!r} is not a patch series under {base} "
+                f"(one of: {', '.join(sorted(known)) or 'none'})"
+            )
+        base = base / chosen
     if version:
         variant = base / f"v{version}"
         if variant.is_dir():

@@ -1,16 +1,16 @@
 """Compile the fix's DeepGEMM kernels before serving, so that no request waits for one.
 
 The per-expert dispatch (patch 0002) picks its DeepGEMM kernels from the step's token count:
-the fitted kernel's widest row tile (and, where the GPU's plan splits off the hottest experts,
-the regular kernel's tiles) are template arguments. DeepGEMM compiles each new kernel with nvcc
-when it is first launched (seconds each, the engine waiting). Which kernels a step launches
-depends only on the GEMM shapes, the experts per rank, the SM count and the step's token count,
-so the whole set can be compiled ahead, in parallel, into the cache DeepGEMM reads.
+the swap-A/B tile and the row-class boundary are template arguments. DeepGEMM compiles each new
+kernel with nvcc when it is first launched (~2.3 s each on the H200 machine, the engine
+waiting): a fix server compiled 32 of them in its first 4 minutes of serving
+(benchmarks/results/serve_h200/round3-four-moe-paths). Which kernels a step launches depends
+only on the GEMM shapes, the expert slots, the SM count and the step's token count, so the
+whole set can be compiled ahead, in parallel, into the cache DeepGEMM reads.
 
 The launch plan is not re-implemented here: a small host program is compiled against the
-overlay's patched headers, with the patch's own `plan_launches`, `fitted_gemm_config` and
-kernel-name expression cut out of them, and writes every kernel's source with the patched
-`generateKernel`.
+overlay's patched headers, with the patch's own `plan_row_classes` and kernel-name expression
+cut out of them, and writes every kernel's source with the patched `generateKernel`.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass
 from pathlib import Path
 
+from .expected_m import swap_threshold
 
 KERNEL_CUH = (
     "nv_internal/tensorrt_llm/kernels/cutlass_kernels/fp8_blockscale_gemm/"
@@ -63,7 +64,7 @@ PLANNER = r"""
 #include <string>
 #include "tensorrt_llm/deep_gemm/compiler.cuh"
 
-using namespace deep_gemm;       // GemmType, kAnyRows, kFitStep
+using namespace deep_gemm;       // GemmType, kAnyRows
 using namespace deep_gemm::jit;  // RowClass, gemm_type_to_string, as inside Compiler::build
 
 // Cut from the patched fp8_blockscale_gemm_kernel.cuh.
@@ -81,51 +82,43 @@ static std::string cache_name(uint32_t const shape_n, uint32_t const shape_k,
 
 static std::set<std::string> seen;
 
-static void write(char const* out, std::string const& name, std::string const& source) {
+static void emit(char const* out, uint32_t n, uint32_t k, uint32_t groups, int sms, uint32_t m,
+                 bool swap, RowClass rows) {
+  auto [bm, bn, stages, multicast, smem] =
+      swap ? deep_gemm::jit::get_best_gemm_config(n, m, k, groups, sms, false, true)
+           : deep_gemm::jit::get_best_gemm_config(m, n, k, groups, sms);
+  (void)smem;
+  std::string name = cache_name(n, k, bm, bn, 128, groups, stages, multicast,
+                                GemmType::GroupedWithOffset, swap, rows);
   if (!seen.insert(name).second) return;
-  std::ofstream(std::string(out) + "/" + name + ".cu") << source;
+  std::ofstream(std::string(out) + "/" + name + ".cu")
+      << deep_gemm::jit::generateKernel(n, k, bm, bn, 128, groups, stages, multicast,
+                                        GemmType::GroupedWithOffset, swap, rows);
   std::printf("%%s\n", name.c_str());
 }
 
-static void emit_regular(char const* out, uint32_t n, uint32_t k, uint32_t groups, int sms,
-                         uint32_t m, RowClass rows) {
-  auto [bm, bn, stages, multicast, smem] =
-      deep_gemm::jit::get_best_gemm_config(m, n, k, groups, sms);
-  (void)smem;
-  write(out,
-        cache_name(n, k, bm, bn, 128, groups, stages, multicast, GemmType::GroupedWithOffset,
-                   false, rows),
-        deep_gemm::jit::generateKernel(n, k, bm, bn, 128, groups, stages, multicast,
-                                       GemmType::GroupedWithOffset, false, rows));
-}
-
-static void emit_fitted(char const* out, uint32_t n, uint32_t k, uint32_t groups, uint32_t fit_n,
-                        RowClass rows) {
-  FittedConfig const c = fitted_gemm_config(n, k, fit_n);
-  rows.fitted = true;
-  write(out,
-        cache_name(n, k, c.block_m, fit_n, 128, groups, c.num_stages, 1,
-                   GemmType::GroupedWithOffset, true, rows),
-        deep_gemm::jit::generateKernel(n, k, c.block_m, fit_n, 128, groups, c.num_stages, 1,
-                                       GemmType::GroupedWithOffset, true, rows));
-}
-
-// argv: out_dir n k groups sms max_tokens
-// As grouped_gemm_dispatch plans the MoE runner's launches (max_m_per_problem = num_rows).
+// argv: out_dir n k groups expert_slots sms top_k max_tokens threshold
+// As grouped_gemm_dispatch does for the MoE runner (max_m_per_problem = num_rows);
+// threshold: its m_per_expert_threshold, from expected_m.swap_threshold.
 int main(int argc, char** argv) {
-  if (argc != 7) return 2;
+  if (argc != 10) return 2;
   char const* out = argv[1];
   uint32_t n = std::atoi(argv[2]), k = std::atoi(argv[3]), groups = std::atoi(argv[4]);
-  int sms = std::atoi(argv[5]);
-  uint32_t max_tokens = std::atoi(argv[6]);
+  uint64_t slots = std::atoi(argv[5]);
+  int sms = std::atoi(argv[6]);
+  uint64_t top_k = std::atoi(argv[7]);
+  uint32_t max_tokens = std::atoi(argv[8]);
+  uint32_t threshold = std::atoi(argv[9]);
   for (uint32_t rows = 1; rows <= max_tokens; ++rows) {
-    LaunchPlan plan = plan_launches(rows, split_rows_for(sms));
-    if (plan.regular_m == 0) {
-      emit_fitted(out, n, k, groups, plan.fit_n, {});
+    uint32_t expected_m = std::max<uint64_t>(1, (rows * top_k + slots - 1) / slots);
+    RowClassPlan plan = plan_row_classes(expected_m, rows, threshold);
+    if (plan.boundary == 0) {
+      emit(out, n, k, groups, sms, plan.hot_m, false, {});
+    } else if (rows <= plan.boundary) {
+      emit(out, n, k, groups, sms, plan.cold_m, true, {});
     } else {
-      emit_fitted(out, n, k, groups, plan.fit_n, {1, plan.fit_n});
-      emit_regular(out, n, k, groups, sms, plan.regular_m,
-                   {plan.fit_n + 1, deep_gemm::kAnyRows});
+      emit(out, n, k, groups, sms, plan.cold_m, true, {1, plan.boundary});
+      emit(out, n, k, groups, sms, plan.hot_m, false, {plan.boundary + 1, deep_gemm::kAnyRows});
     }
   }
   return 0;
@@ -209,11 +202,13 @@ def planner_source(csrc: Path) -> str:
     the overlay's headers (so it plans exactly what the module will launch)."""
     kernel = (csrc / KERNEL_CUH).read_text()
     try:
-        start = kernel.index("struct LaunchPlan {")
+        start = kernel.index("struct RowClassPlan {")
         plan = kernel[start : kernel.index("void grouped_gemm_dispatch(")]
     except ValueError:
         raise PrecompileError(
-            f"{csrc / KERNEL_CUH}: no plan_launches; these headers are not the per-expert fix"
+            f"{csrc / KERNEL_CUH}: no plan_row_classes; these headers are not the shipped "
+            f"per-expert fix (kernels precompile plans the shipped series only: unset "
+            f"VLLM_H20_PATCH_SERIES)"
         ) from None
     compiler = (csrc / COMPILER_CUH).read_text()
     m = re.search(r"std::string name = .*?;\n", compiler, re.S)
@@ -288,8 +283,8 @@ def plan_kernels(
     out.mkdir(parents=True, exist_ok=True)
     kernels: list[Kernel] = []
     for n, k in shape.gemms():
-        args = [str(planner), str(out), str(n), str(k), str(shape.groups), str(sms),
-                str(max_tokens)]  # fmt: skip
+        args = [str(planner), str(out), str(n), str(k), str(shape.groups), str(shape.slots),
+                str(sms), str(shape.top_k), str(max_tokens), str(swap_threshold(sms))]  # fmt: skip
         r = subprocess.run(args, capture_output=True, text=True, timeout=600)
         if r.returncode != 0:
             raise PrecompileError(f"the kernel planner failed for N={n} K={k}: {r.stderr.strip()}")

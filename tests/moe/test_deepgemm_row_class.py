@@ -1,0 +1,195 @@
+"""The per-expert dispatch's DeepGEMM side, compiled here with nvcc for sm_90a (no GPU needed).
+
+DeepGEMM compiles its kernels at run time from the headers the module points it at. These
+tests take the headers from a real overlay of the installed FlashInfer with the shipped patch
+series, let the patched `generateKernel` write the kernel source a row-class launch compiles,
+and compile it: it builds against the overlay (its scheduler type carries the row class in the
+cubin's symbol), and FlashInfer's own headers refuse it, so a stock header set can never
+produce, nor be mistaken for, a row-class kernel. The plan's Python port (benchmarks' model,
+the FlashInfer test) is checked against the patched C++ function itself.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from vllm_h20.moe import overlay, precompile
+
+ROOT = Path(__file__).resolve().parents[2]
+KERNEL_CUH = (
+    "nv_internal/tensorrt_llm/kernels/cutlass_kernels/fp8_blockscale_gemm/"
+    "fp8_blockscale_gemm_kernel.cuh"
+)
+
+GEN = r"""
+#include <cstdlib>
+#include <iostream>
+#include "tensorrt_llm/deep_gemm/compiler.cuh"
+// argv: swap|regular, min rows, max rows ("any")
+int main(int argc, char** argv) {
+  bool const swap = argv[1][0] == 's';
+  deep_gemm::jit::RowClass rows{
+      static_cast<uint32_t>(std::atoi(argv[2])),
+      argv[3][0] == 'a' ? deep_gemm::kAnyRows : static_cast<uint32_t>(std::atoi(argv[3]))};
+  std::cerr << "tag" << rows.tag() << "\n";
+  std::cout << deep_gemm::jit::generateKernel(4608, 5120, 128, swap ? 16 : 128, 128, 50,
+                                              swap ? 8 : 5, 1,
+                                              deep_gemm::GemmType::GroupedWithOffset, swap, rows);
+}
+"""
+
+
+def _nvcc() -> str:
+    nvcc = shutil.which("nvcc")
+    if nvcc is None:
+        if os.environ.get("VLLM_H20_REQUIRE_NVCC"):
+            pytest.fail("nvcc is not on PATH, and VLLM_H20_REQUIRE_NVCC is set (CI)")
+        pytest.skip("nvcc is not on PATH")
+    return nvcc
+
+
+@pytest.fixture(scope="module")
+def overlay_csrc(installed_fi, patches, tmp_path_factory) -> Path:
+    a = overlay.assess(installed_fi, patches)
+    assert a.state is overlay.FixState.NEEDS_PATCH, a.detail
+    ov = overlay.build_overlay(
+        installed_fi, a, overlay.overlay_for(installed_fi, patches, tmp_path_factory.mktemp("c"))
+    )
+    return ov.csrc_dir
+
+
+@pytest.fixture(scope="module")
+def generated(overlay_csrc, installed_fi, tmp_path_factory) -> dict[str, str]:
+    """The kernel sources the patched generateKernel writes: cold class, hot class, no class."""
+    nvcc = _nvcc()
+    work = tmp_path_factory.mktemp("gen")
+    (work / "gen.cu").write_text(GEN)
+    flags, common = precompile._host_includes(overlay_csrc, installed_fi.root)
+    cmd = [nvcc, "-std=c++17", "--expt-relaxed-constexpr", *flags, str(work / "gen.cu"),
+           *map(str, common), "-o", str(work / "gen"), "-Xlinker",
+           "--unresolved-symbols=ignore-all"]  # fmt: skip
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = {}
+    for name, args in (("cold", ["swap", "1", "32"]), ("hot", ["regular", "33", "any"]),
+                       ("plain", ["swap", "0", "any"])):  # fmt: skip
+        r = subprocess.run([str(work / "gen"), *args], capture_output=True, text=True, timeout=60)
+        assert r.returncode == 0, r.stderr
+        out[name] = r.stdout
+        out[name + "_tag"] = r.stderr.strip()[len("tag") :]
+    return out
+
+
+def _compile(source: str, include: Path, tmp_path: Path, name: str):
+    """DeepGEMM's own nvcc flags (compiler.cuh; vllm_h20.moe.precompile keeps the copy that
+    `kernels precompile` uses) for one generated kernel."""
+    src = tmp_path / f"{name}.cu"
+    src.write_text(source)
+    cmd = [_nvcc(), str(src), "-o", str(tmp_path / f"{name}.cubin"), *precompile.NVCC_FLAGS,
+           f"-I{include}"]  # fmt: skip
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+
+
+def test_row_class_kernels_compile_only_against_the_overlay(
+    generated, overlay_csrc, installed_fi, tmp_path
+):
+    assert generated["cold_tag"] == "_rows1-32" and generated["hot_tag"] == "_rows33-any"
+    assert generated["plain_tag"] == ""
+    assert "50, 1, 36, 16, 1, 32>::type" in generated["cold"]
+    assert "50, 1, 36, 16, 33, 4294967295>::type" in generated["hot"]
+    ours = overlay_csrc / "nv_internal" / "tensorrt_llm"
+    theirs = installed_fi.root / "csrc" / "nv_internal" / "tensorrt_llm"
+    # The overlay holds DeepGEMM's headers as files: relative includes stay inside it.
+    assert not any(p.is_symlink() for p in (ours / "deep_gemm").iterdir())
+    for name in ("cold", "hot"):
+        r = _compile(generated[name], ours, tmp_path, name)
+        assert r.returncode == 0, r.stderr[-3000:]
+        cubin = (tmp_path / f"{name}.cubin").read_bytes()
+        # The kernel's mangled name carries the scheduler's row class (kMinRows, kMaxRows).
+        bounds = b"Lj1ELj32EEE" if name == "cold" else b"Lj33ELj4294967295EEE"
+        assert re.search(rb"GroupedWithOffsetScheduler\w*" + bounds, cubin), name
+        r = _compile(generated[name], theirs, tmp_path, name + "_stock")
+        assert r.returncode != 0 and "too many arguments" in r.stdout + r.stderr
+    # Without a row class the source is what FlashInfer's own generateKernel writes.
+    assert "SchedulerSelectorSwapAB<GemmType::GroupedWithOffset, 4608, 5120, 128, 16, 128, 50, " \
+           "1>::type" in generated["plain"]  # fmt: skip
+    r = _compile(generated["plain"], theirs, tmp_path, "plain_stock")
+    assert r.returncode == 0, r.stderr[-3000:]
+
+
+# --------------------------------------------------------------------------- the plan
+
+PLAN = r"""
+#include <cstdio>
+#include <cstdlib>
+%s
+int main(int argc, char** argv) {
+  for (int i = 1; i + 2 < argc; i += 3) {
+    RowClassPlan p = plan_row_classes(std::atoi(argv[i]), std::atoi(argv[i + 1]),
+                                      std::atoi(argv[i + 2]));
+    std::printf("%%u %%u %%u\n", p.cold_m, p.boundary, p.hot_m);
+  }
+}
+"""
+
+
+@pytest.fixture(scope="module")
+def cpp_plan(overlay_csrc, tmp_path_factory):
+    """The patched plan_row_classes (and its struct), cut out of the header and compiled alone."""
+    text = (overlay_csrc / KERNEL_CUH).read_text()
+    start = text.index("struct RowClassPlan {")
+    end = text.index("void grouped_gemm_dispatch(")
+    work = tmp_path_factory.mktemp("plan")
+    src = work / "plan.cpp"
+    src.write_text("#include <algorithm>\n#include <cmath>\n#include <cstdint>\n"
+                   + PLAN % text[start:end])  # fmt: skip
+    cxx = shutil.which("g++") or shutil.which("c++")
+    if cxx is None:
+        pytest.skip("no C++ compiler")
+    r = subprocess.run([cxx, "-std=c++17", "-O1", str(src), "-o", str(work / "plan")],
+                       capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert r.returncode == 0, r.stderr
+
+    def run(cases: list[tuple[int, int, int]]) -> list[tuple[int, int, int]]:
+        args = [str(x) for c in cases for x in c]
+        out = subprocess.run([str(work / "plan"), *args], capture_output=True, text=True)
+        return [tuple(map(int, line.split())) for line in out.stdout.splitlines()]
+
+    return run
+
+
+def _model():
+    sys.path.insert(0, str(ROOT / "benchmarks" / "moe_dispatch"))
+    import model
+
+    return model
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    tokens=st.integers(1, 65536),
+    top_k=st.integers(1, 8),
+    slots=st.sampled_from([8, 64, 256, 400]),
+    threshold=st.sampled_from([32, 64]),
+)
+def test_the_plans_python_port_is_the_patch(cpp_plan, tokens, top_k, slots, threshold):
+    expected_m = max(1, math.ceil(tokens * top_k / slots))
+    cold_m, boundary, hot_m = cpp_plan([(expected_m, tokens, threshold)])[0]
+    port_cold, port_boundary = _model().plan_row_classes(expected_m, tokens, threshold)
+    assert (cold_m, hot_m) == (port_cold, tokens)
+    assert boundary == (tokens if port_boundary is None else port_boundary)
+    # What the dispatch relies on: the cold class is never empty of meaning, its tiles never
+    # wider than its rows, and a second launch only when an expert can exceed the boundary.
+    assert 1 <= cold_m <= boundary
+    if tokens > boundary:
+        assert threshold <= boundary <= 128
