@@ -84,6 +84,15 @@ def test_git_am_applies_and_matches_our_applier(wheel_root, tmp_path):
     assert (repo / "tests/moe/test_fp8_blockscale_moe_expected_m.py").is_file()
 
 
+def test_the_candidate_series_applies_to_every_release(wheel_root, monkeypatch):
+    """patches/flashinfer/candidates/fitted-row-tiles (VLLM_H20_PATCH_SERIES) applies as the
+    shipped series does (its kernels' compile check: tests/moe/test_deepgemm_fitted.py)."""
+    src = flashinfer_src.from_package_dir(wheel_root)
+    monkeypatch.setenv(overlay.SERIES_ENV, "candidates/fitted-row-tiles")
+    a = overlay.assess(src, overlay.shipped_patches(src.version))
+    assert a.state is FixState.NEEDS_PATCH, a.detail
+
+
 @pytest.mark.slow
 def test_reduced_fix_module_builds_and_links(wheel_root):
     if shutil.which("nvcc") is None:
