@@ -38,11 +38,11 @@ def best_block(shape_m: int, shape_n: int, num_groups: int, sms: int) -> tuple[i
     return block_m, best_n
 
 
-def tile_rows(path: str, expected_m: int, n: int, sms: int) -> int:
+def tile_rows(path: str, expected_m: int, n: int, sms: int, groups: int = cases.LOCAL) -> int:
     """Rows of one expert's M tile: block_m (regular) or block_n over the rows (swap-A/B)."""
     if path == "regular":
-        return best_block(expected_m, n, cases.LOCAL, sms)[0]
-    return best_block(n, expected_m, cases.LOCAL, sms)[1]
+        return best_block(expected_m, n, groups, sms)[0]
+    return best_block(n, expected_m, groups, sms)[1]
 
 
 def path_of(expected_m: int, sms: int, threshold: int | None = None) -> str:
@@ -52,7 +52,7 @@ def path_of(expected_m: int, sms: int, threshold: int | None = None) -> str:
 
 def gemm_terms(counts: np.ndarray, shape, expected_m: int, path: str, sms: int):
     """(weight bytes, re-read bytes, padded MMA flops) of one grouped GEMM."""
-    tile = tile_rows(path, expected_m, shape.n, sms)
+    tile = tile_rows(path, expected_m, shape.n, sms, len(counts))
     active = counts[counts > 0]
     tiles = np.ceil(active / tile)
     per_expert = shape.weight_bytes(1)
@@ -195,12 +195,18 @@ def predict(fits: dict, counts, tokens: int, version: str, sms: int) -> float:
     return sum(fits[p].predict(terms) for p, terms in plan)
 
 
-def slowest_rank(fits: dict, routing: str, tokens: int, version: str, sms: int) -> float:
-    """Predicted seconds of the slowest of the EP ranks for one case (the measured quantity)."""
+def slowest_rank(fits: dict, routing: str, tokens: int, version: str, sms: int,
+                 ep: int = cases.EP) -> float:  # fmt: skip
+    """Predicted seconds of the slowest of the EP ranks for one case (the measured quantity):
+    `tokens` rows routed over the 400 slots, each rank holding SLOTS / ep of them (EP16: 25)."""
     slots = cases.route(routing, tokens)
-    return max(
-        predict(fits, cases.rank_counts(slots, k), tokens, version, sms) for k in range(cases.EP)
-    )
+    local = cases.SLOTS // ep
+
+    def counts(k: int) -> np.ndarray:
+        mine = slots[(slots >= k * local) & (slots < (k + 1) * local)] - k * local
+        return np.bincount(mine, minlength=local).astype(np.int64)
+
+    return max(predict(fits, counts(k), tokens, version, sms) for k in range(ep))
 
 
 def on_device(fits: dict, tc: float, bw: float) -> dict:

@@ -413,6 +413,38 @@ def model_section(res: dict, folder: Path) -> list[str]:
         "fitted share r, the fitted kernel's per-SM overhead that the compute-matched emulations "
         "show (it is fitted at 132 SMs, where it barely shows).",
     ]
+    out += ["", *ep16_section(h20, overhead)]
+    return out
+
+
+def ep16_section(h20: dict, overhead: float) -> list[str]:
+    """Two nodes (recipes/deepseek-v41-flash-fp8-2node-tp8dp2ep16.yaml) beside one, on the
+    calibrated H20 model: EP16 puts 25 of the 400 slots on each rank, and the MoE layer of every
+    rank sees both data-parallel replicas' tokens of a step (allgather_reducescatter), so a
+    replica's step of S tokens is 2 S rows; the expected rows per expert stay 6 x rows / 400."""
+    out = [
+        "### Two nodes: EP16 beside EP8 (predicted on H20)",
+        "",
+        "One node = `deepseek-v41-flash-fp8-tp8ep8` (EP8, 50 slots per rank, the MoE layer sees "
+        "the node's step); two nodes = `deepseek-v41-flash-fp8-2node-tp8dp2ep16` (EP16, 25 "
+        "slots per rank, every rank sees both replicas' steps: 2 x the step's tokens). Slowest "
+        "rank's FC1 + FC2 plus the fused op's other kernels; speedups over stock:",
+        "",
+        "| layout | routing | step tokens per replica | MoE rows | average rows per expert "
+        "| stock ms | average-only | shipped per-expert | fitted tiles |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for label, ep, dp in (("1 node, EP8", 8, 1), ("2 nodes, EP16", 16, 2)):
+        for routing in ("uniform", "eplb", "trained", "same_spread"):
+            for step in (64, 128, 256, 512):
+                rows = step * dp
+                t = {v: model.slowest_rank(h20, routing, rows, v, H20_SMS, ep) + overhead
+                     for v in ("stock", "fixed", "split", "fitted")}  # fmt: skip
+                avg = max(1, -(-rows * cases.TOP_K // cases.SLOTS))
+                out.append(f"| {label} | {routing} | {step} | {rows} | {avg} | "
+                           f"{t['stock'] * 1e3:.3f} | "
+                           + " | ".join(f"{t['stock'] / t[v]:.2f}x"
+                                        for v in ("fixed", "split", "fitted")) + " |")  # fmt: skip
     return out
 
 

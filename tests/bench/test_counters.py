@@ -102,3 +102,18 @@ def test_window_refuses_a_counter_reset():
          Scrape(2, {"prompt_tokens": 30, "generation_tokens": 9})]  # fmt: skip
     with pytest.raises(CountersError, match="vllm:generation_tokens_total went backwards"):
         window(s, 0, 2)
+
+
+def test_scrape_all_sums_the_nodes_and_fails_with_any(vllm_metrics):
+    from tests.bench.conftest import free_port
+
+    a = vllm_metrics(prompt_rate=1000.0, generation_rate=100.0)
+    b = vllm_metrics(prompt_rate=3000.0, generation_rate=300.0)
+    one, both = counters.scrape(a.url), counters.scrape_all((a.url, b.url))
+    assert both.values["generation_tokens"] > one.values["generation_tokens"]
+    with counters.Recorder((a.url, b.url), interval=0.05) as rec:
+        time.sleep(0.6)
+    s = rec.samples
+    assert window(s, s[1].t, s[-1].t).rate("generation_tokens") == pytest.approx(400.0, rel=0.1)
+    with pytest.raises(CountersError, match="cannot connect"):
+        counters.scrape_all((a.url, f"http://127.0.0.1:{free_port()}/metrics"), timeout=1)

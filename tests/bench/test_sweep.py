@@ -243,3 +243,32 @@ def test_a_stalled_guidellm_is_retried_once_with_new_prompts(
     assert rec["status"] == "ok" and rec["attempt"] == 1
     assert rec["seed"] == s.run_seed(2, 0) + 10_000_000
     assert rec["previous_error"].startswith("GuideLLM did not finish within 46 s")
+
+
+@pytest.mark.slow
+def test_a_multi_node_deployment_sums_every_nodes_counters(
+    mock_servers, vllm_metrics, tokenizer_dir, tmp_path
+):
+    """A two-node vLLM deployment answers on the head's API, but each node's engines export
+    their own /metrics: with one --metrics-url per node the run's throughput is their sum."""
+    head = mock_servers("tiny-model")
+    nodes = [vllm_metrics(prompt_rate=1200.0, generation_rate=300.0),
+             vllm_metrics(prompt_rate=2000.0, generation_rate=500.0)]  # fmt: skip
+    spec = tmp_path / "one.yaml"
+    spec.write_text(TINY_SPEC.replace("concurrency: [1, 2]", "concurrency: [1]")
+                    .replace("runs: 2", "runs: 1"))  # fmt: skip
+    extra = ["--scrape-interval", "0.1"]
+    for m in nodes:
+        extra += ["--metrics-url", f"fix={m.url}"]
+    res = _sweep_cli(spec, tokenizer_dir, tmp_path / "o", f"fix={head.url}", extra=extra)
+    assert res.returncode == 0, res.stderr[-3000:]
+    run = json.loads((tmp_path / "o" / "runs" / "fix" / "c1-r0.json").read_text())
+    assert run["server"]["output_tok_s"] == pytest.approx(800.0, rel=0.1)
+    assert run["server"]["input_tok_s"] == pytest.approx(3200.0, rel=0.1)
+    sweep_json = json.loads((tmp_path / "o" / "sweep.json").read_text())
+    assert sweep_json["targets"]["fix"]["metrics_urls"] == [m.url for m in nodes]
+    # The same endpoint twice would count twice: refused in one line.
+    twice = _sweep_cli(spec, tokenizer_dir, tmp_path / "p", f"fix={head.url}",
+                       extra=["--metrics-url", f"fix={nodes[0].url}",
+                              "--metrics-url", f"fix={nodes[0].url}"])  # fmt: skip
+    one_line_error(twice, "given twice")

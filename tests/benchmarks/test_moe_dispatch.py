@@ -80,6 +80,7 @@ def test_concentrated_routings_concentrate_as_described():
     # A hot pool: every routed row lands on 8 (16) experts.
     for name, size in (("pool8", 8), ("pool16", 16)):
         assert sum(int((c > 0).sum()) for c in rows[name]) == size
+
     # Steeper than Zipf 1.2: the hottest expert holds more of the rows.
     def top_share(r):
         counts = np.bincount(cases.route(r, tokens).ravel(), minlength=cases.SLOTS)

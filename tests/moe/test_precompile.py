@@ -158,3 +158,21 @@ def test_a_kernel_that_does_not_compile_is_reported_and_leaves_nothing(ov, tmp_p
     assert out["compiled"] == [] and len(out["failed"]) == 1
     assert out["failed"][0].startswith("gemm_bad: ") and "error" in out["failed"][0]
     assert not (cache / "gemm_bad").exists()
+
+
+def test_two_node_ep16_plans_25_slot_kernels_for_both_replicas_steps(installed_fi, tmp_path):
+    """recipes' two-node layout: 384 experts + 16 EPLB replicas over EP16 = 25 slots per rank
+    (the grouped GEMM's problem count is in every kernel's name), and with DP2 each MoE call
+    holds both replicas' steps: --data-parallel-size doubles the rows planned for."""
+    _need_nvcc()
+    env = {"VLLM_H20_CACHE_DIR": str(tmp_path / "c"), "TRTLLM_DG_CACHE_DIR": str(tmp_path / "dg")}
+    model = _model_dir(tmp_path)
+    base = [str(model), "--num-sms", "78", "--ep-size", "16", "--num-redundant-experts", "16",
+            "--max-num-batched-tokens", "128", "--dry-run", "--json"]  # fmt: skip
+    one = json.loads(_cli(*base, **env).stdout)
+    two = json.loads(_cli(*base, "--data-parallel-size", "2", **env).stdout)
+    assert one["shape"]["ep_size"] == 16 and one["shape"]["redundant"] == 16
+    assert one["names"] and all("_25_" in k for k in one["names"] + two["names"])
+    # Up to 128 rows: one launch; both replicas' 256 rows add the two-class launches.
+    assert not any("_rows" in k for k in one["names"])
+    assert set(one["names"]) < set(two["names"]) and any("_rows" in k for k in two["names"])

@@ -20,6 +20,17 @@ def tiny_fp8(tmp_path_factory) -> Path:
     return d
 
 
+@pytest.fixture(scope="session")
+def small_fp8(tmp_path_factory) -> Path:
+    """The tiny checkpoint with 16 routed experts: 16 + the recipes' 16 EPLB replicas spread
+    evenly over 8 and 16 ranks, as vLLM's EPLB requires (the tiny one's 4 do not)."""
+    from dataclasses import replace
+
+    d = tmp_path_factory.mktemp("small_fp8") / "model"
+    generate_converted(d, replace(PRESETS["tiny"], experts=16), shards=2)
+    return d
+
+
 @pytest.fixture
 def write_recipe(tmp_path):
     def write(text: str, name: str = "r.yaml") -> Path:

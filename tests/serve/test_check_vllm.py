@@ -20,8 +20,17 @@ pytest.importorskip("vllm")
 def test_shipped_recipes_are_valid(path):
     res = check.check(recipe.load(path))
     assert res.vllm == "0.33.0"
-    assert res.parsed["tensor_parallel_size"] == 8
-    assert res.parsed["engram_cpu_offload"] is True
+    p = res.parsed
+    layout = (p["tensor_parallel_size"], p["data_parallel_size"], p["enable_expert_parallel"])
+    assert layout == {"deepseek-v41-flash-fp8-2node-tp8dp2ep16": (8, 2, True),
+                      "deepseek-v41-flash-fp8-2node-dp16ep16": (1, 16, True),
+                      "deepseek-v41-flash-fp8-tp8ep8": (8, 1, True),
+                      "deepseek-v41-flash-humming-w4a8-tp8": (8, 1, False)}[path.stem]  # fmt: skip
+    assert p["engram_cpu_offload"] is True
+    if "2node" in path.stem:
+        # 384 + 16 replicas over 16 ranks; an all-to-all FlashInfer CUTLASS takes.
+        assert p["num_redundant_experts"] == 16 and p["moe_backend"] == "flashinfer_cutlass"
+        assert p["all2all_backend"] == "allgather_reducescatter"
 
 
 @pytest.mark.parametrize(

@@ -127,3 +127,83 @@ def test_fixed_kv_cache_is_planned_against_the_whole_gpu(tiny_fp8):
     assert not small.fits and "kv-cache-memory-bytes 2.00 GiB exceed 10.00 GiB" in small.why
     sized = _plan(tiny_fp8, cudagraph_capture_sizes=[1, 8, 384])
     assert sized.overheads["CUDA graphs"] == pytest.approx(p.overheads["CUDA graphs"] / 2)
+
+
+def _two_node(model, gpu="h200", **over):
+    parsed = BASE | {"tensor_parallel_size": 2, "data_parallel_size": 2,
+                     "num_redundant_experts": 4} | over  # fmt: skip
+    return plan.plan(recipe.load("deepseek-v41-flash-fp8-2node-tp8dp2ep16"), parsed, model, gpu,
+                     gpus_per_node=2)  # fmt: skip
+
+
+def test_data_parallel_replicas_spread_experts_and_multiply_the_kv_cache(tiny_fp8):
+    """TP2 x DP2 on nodes of two GPUs: experts over 4 ranks (half the slots of EP2), two nodes,
+    two replicas each with its own KV cache; Engram shards stay per TP rank, private per node."""
+    one = _plan(tiny_fp8)
+    two = _two_node(tiny_fp8)
+    assert (two.nodes, two.dp, two.ep) == (2, 2, 4) and one.nodes == 1
+    experts = {k.split(".")[4] for k in _sizes(tiny_fp8) if k.startswith("layers.0.ffn.experts.")}
+    assert two.slots_per_rank["main"] == (len(experts) + 4) // 4
+    assert two.weights["routed experts (EP)"] < one.weights["routed experts (EP)"]
+    assert two.kv_bytes > one.kv_bytes and two.kv_tokens_total == 2 * two.kv_tokens
+    assert two.concurrency(4096) == 2 * (two.kv_tokens // 4096)
+    assert not two.host_shared and two.host_per_node == 2 * two.host_per_rank == one.host_per_node
+
+
+def test_dp_attention_shares_engram_tables_per_node(tiny_fp8):
+    """TP1 x DP4 on nodes of two GPUs: each GPU a replica; the tables are not TP-sharded (each
+    replica needs all of them) and the node's two replicas share one copy (dp_shared_memory,
+    vLLM's default with DP > 1), unrounded; with it off every GPU pins its own copy."""
+    engram = [v for k, v in _sizes(tiny_fp8).items() if ".engram.embed." in k]
+    shared = _two_node(tiny_fp8, tensor_parallel_size=1, data_parallel_size=4)
+    assert shared.nodes == 2 and shared.dp == 4 and shared.host_shared
+    assert shared.host_per_node == sum(engram) and shared.host_per_rank == 0
+    private = _two_node(tiny_fp8, tensor_parallel_size=1, data_parallel_size=4,
+                        engram_dp_shared_memory=False)  # fmt: skip
+    assert private.host_per_rank == sum(1 << (t - 1).bit_length() for t in engram)
+    assert private.host_per_node == 2 * private.host_per_rank
+    across = _two_node(tiny_fp8, tensor_parallel_size=1, data_parallel_size=4,
+                       engram_embedding_across_dp=True)  # fmt: skip
+    assert across.host_per_rank == sum(1 << (math.ceil(t / 4) - 1).bit_length() for t in engram)
+
+
+def test_layouts_that_cannot_be_laid_out_are_one_line(tiny_fp8):
+    with pytest.raises(RecipeError, match="tensor-parallel-size 4 does not fit a node of 2"):
+        _two_node(tiny_fp8, tensor_parallel_size=4)
+    with pytest.raises(RecipeError, match=r"do not spread evenly over EP4.*num_redundant_experts"):
+        _two_node(tiny_fp8, num_redundant_experts=1)
+
+
+@pytest.mark.slow
+def test_two_nodes_of_the_full_size_flash_checkpoint(tmp_path_factory):
+    """The shipped two-node layouts on the full-size V4.1-Flash checkpoint (headers only), beside
+    the one-node recipe: EP16 halves the expert slots per GPU (25, draft 8), which multiplies
+    each GPU's KV cache on 96 GB cards about tenfold, and the replicas add up."""
+    from vllm_h20.convert.synth import PRESETS, generate_converted
+
+    model = tmp_path_factory.mktemp("flash2") / "fp8"
+    generate_converted(model, PRESETS["flash"], shards=16)
+    common = {"enable_expert_parallel": True, "enable_eplb": True, "num_redundant_experts": 16,
+              "gpu_memory_utilization": 0.97, "max_model_len": 262144,
+              "max_cudagraph_capture_size": 768, "engram_cpu_offload": True}  # fmt: skip
+    layouts = {"deepseek-v41-flash-fp8-tp8ep8": (8, 1), "deepseek-v41-flash-fp8-2node-tp8dp2ep16":
+               (8, 2), "deepseek-v41-flash-fp8-2node-dp16ep16": (1, 16)}  # fmt: skip
+    out = {}
+    for name, (tp, dp) in layouts.items():
+        parsed = common | {"tensor_parallel_size": tp, "data_parallel_size": dp}
+        for gpu in ("h20-96g", "h20-141g"):
+            out[name, gpu] = plan.plan(recipe.load(name), parsed, model, gpu)
+    one = out["deepseek-v41-flash-fp8-tp8ep8", "h20-96g"]
+    tp8dp2 = out["deepseek-v41-flash-fp8-2node-tp8dp2ep16", "h20-96g"]
+    dp16 = out["deepseek-v41-flash-fp8-2node-dp16ep16", "h20-96g"]
+    assert all(p.fits for p in out.values())
+    assert tp8dp2.slots_per_rank == dp16.slots_per_rank == {"main": 25, "draft": 8}
+    assert (tp8dp2.nodes, dp16.nodes) == (2, 2)
+    assert tp8dp2.kv_bytes > 9 * one.kv_bytes and tp8dp2.kv_tokens_total == 2 * tp8dp2.kv_tokens
+    assert dp16.weights_total > tp8dp2.weights_total  # attention and shared experts whole
+    assert tp8dp2.host_per_node == one.host_per_node and not tp8dp2.host_shared
+    assert dp16.host_shared and dp16.host_per_node < one.host_per_node
+    big = out["deepseek-v41-flash-fp8-2node-tp8dp2ep16", "h20-141g"]
+    assert big.kv_bytes - tp8dp2.kv_bytes == pytest.approx(
+        (plan.GPUS["h20-141g"] - plan.GPUS["h20-96g"]) * 0.97, rel=1e-6
+    )

@@ -17,6 +17,8 @@ def test_shipped_recipes_load_by_name_with_lines():
     names = {p.stem for p in recipe.shipped_recipes().glob("*.yaml")}
     assert names == {
         "deepseek-v41-flash-fp8-tp8ep8",
+        "deepseek-v41-flash-fp8-2node-tp8dp2ep16",
+        "deepseek-v41-flash-fp8-2node-dp16ep16",
         "deepseek-v41-flash-humming-w4a8-tp8",
         "test-h200-dsv3-fp8-flashinfer-cutlass",
         "test-h200-dsv4-fp8-flashinfer-cutlass",
@@ -33,6 +35,18 @@ def test_shipped_recipes_load_by_name_with_lines():
             r"r.yaml:2: eplb-config.num_redundant_experts: 16 has no effect without enable-eplb",
         ),
         ("block-size: 64\nconfig: other.yaml\n", r"r.yaml:2: config: a recipe cannot include"),
+        # Node-specific flags: one recipe serves every node, serve --node-rank adds them.
+        ("data-parallel-size: 2\nheadless: true\n", r"r.yaml:2: headless: differs per node"),
+        ("data-parallel-address: 10.0.0.1\n", r"r.yaml:1: data-parallel-address: differs per"),
+        (
+            "all2all-backend: deepep_high_throughput\n",
+            r"r.yaml:1: all2all-backend: deepep_high_throughput has no effect without enable-exp",
+        ),
+        (
+            "enable-expert-parallel: true\nmoe-backend: flashinfer_cutlass\n"
+            "all2all-backend: deepep_low_latency\n",
+            r"r.yaml:3: all2all-backend: deepep_low_latency hands the experts batched activations",
+        ),
     ],
 )
 def test_conflicts_name_file_line_and_key(write_recipe, text, message):
@@ -53,7 +67,9 @@ def test_bad_files(write_recipe, text, message):
 
 
 def test_unknown_recipe_name_lists_the_shipped_ones():
-    with pytest.raises(RecipeError, match="shipped: deepseek-v41-flash-fp8-tp8ep8"):
+    with pytest.raises(
+        RecipeError, match="shipped: deepseek-v41-flash-fp8-2node-dp16ep16, .*tp8ep8"
+    ):
         recipe.load("no-such-recipe")
 
 

@@ -86,7 +86,8 @@ _target_opt = click.option(
     "--metrics-url",
     multiple=True,
     metavar="NAME=URL",
-    help="Where target NAME's Prometheus metrics are, if not at URL/metrics.",
+    help="Where target NAME's Prometheus metrics are, if not at URL/metrics; repeat for a "
+    "multi-node deployment (one per node: the counters are summed).",
 )
 @click.option("--resume", is_flag=True, help="Continue a sweep in --out; finished runs are kept.")
 @click.option(

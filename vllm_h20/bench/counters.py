@@ -73,11 +73,26 @@ def scrape(url: str, timeout: float = 5.0) -> Scrape:
     return Scrape(t=(t0 + t1) / 2, values=parse(text, url))
 
 
+def scrape_all(urls: tuple[str, ...] | list[str], timeout: float = 5.0) -> Scrape:
+    """One read of every endpoint of a deployment (one per node), counters summed, stamped with
+    the midpoint of the whole round. Any endpoint failing fails the round: a missing node would
+    undercount."""
+    if len(urls) == 1:
+        return scrape(urls[0], timeout)
+    parts = [scrape(u, timeout) for u in urls]
+    total: dict[str, float] = {}
+    for p in parts:
+        for k, v in p.values.items():
+            total[k] = total.get(k, 0.0) + v
+    return Scrape(t=(parts[0].t + parts[-1].t) / 2, values=total)
+
+
 @dataclass
 class Recorder:
-    """Scrapes every `interval` seconds in a thread while a GuideLLM run is going."""
+    """Scrapes every `interval` seconds in a thread while a GuideLLM run is going; `url` is one
+    endpoint or several whose counters add up (a multi-node deployment)."""
 
-    url: str
+    url: str | tuple[str, ...]
     interval: float = 0.5
     samples: list[Scrape] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
@@ -97,7 +112,8 @@ class Recorder:
     def _loop(self) -> None:
         while True:
             try:
-                self.samples.append(scrape(self.url, timeout=min(5.0, 4 * self.interval)))
+                urls = (self.url,) if isinstance(self.url, str) else self.url
+                self.samples.append(scrape_all(urls, timeout=min(5.0, 4 * self.interval)))
             except CountersError as e:
                 if len(self.errors) < 20:
                     self.errors.append(str(e))

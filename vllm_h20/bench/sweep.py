@@ -83,7 +83,7 @@ def manifest(
         "targets": {
             t.name: {
                 "url": t.url,
-                "metrics_url": t.metrics_url,
+                "metrics_urls": list(t.metrics_urls),
                 "model": models[t.name],
                 "server_version": server_version(t),
             }
@@ -135,7 +135,7 @@ def prepare(
     if source == "server":
         for t in targets:
             try:
-                counters.scrape(t.metrics_url)
+                counters.scrape_all(t.metrics_urls)
             except counters.CountersError as e:
                 raise TargetError(
                     f"target {t.name}: {e}; pass --metrics-url {t.name}=URL if the metrics are "
@@ -230,7 +230,9 @@ def measure(
         )
     raw.unlink(missing_ok=True)
     timeout = spec.warmup_s + spec.measure_s + stall_timeout
-    rec_ctx = counters.Recorder(target.metrics_url, scrape_interval) if source == "server" else None
+    rec_ctx = (
+        counters.Recorder(target.metrics_urls, scrape_interval) if source == "server" else None
+    )
     try:
         with rec_ctx or nullcontext():
             code, last = run(cmd, log, timeout)

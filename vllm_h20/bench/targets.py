@@ -28,14 +28,17 @@ class TargetError(ValueError):
 class Target:
     name: str
     url: str
-    metrics_url: str
+    # Prometheus endpoints whose counters add up to this target's: one per node of a multi-node
+    # deployment (each node's engines export their own), else the server's own /metrics.
+    metrics_urls: tuple[str, ...]
 
     def endpoint(self, path: str) -> str:
         return self.url + path
 
 
 def parse_targets(values: tuple[str, ...], metrics: tuple[str, ...] = ()) -> list[Target]:
-    """`NAME=URL` pairs; `metrics` overrides a target's Prometheus URL (`NAME=URL`)."""
+    """`NAME=URL` pairs; `metrics` (`NAME=URL`, repeatable) replaces a target's Prometheus URL:
+    several for one name (one per node) are scraped together and their counters summed."""
     if not values:
         raise TargetError("no --target given; pass --target NAME=URL (e.g. fp8=http://h20-a:8000)")
     out: dict[str, Target] = {}
@@ -43,13 +46,16 @@ def parse_targets(values: tuple[str, ...], metrics: tuple[str, ...] = ()) -> lis
         name, url = _pair(v, "--target")
         if name in out:
             raise TargetError(f"--target {v}: the name `{name}` is used twice")
-        out[name] = Target(name, url, url + "/metrics")
+        out[name] = Target(name, url, (url + "/metrics",))
+    given: dict[str, list[str]] = {}
     for v in metrics:
         name, url = _pair(v, "--metrics-url")
         if name not in out:
             raise TargetError(f"--metrics-url {v}: no --target named `{name}`")
-        out[name] = Target(name, out[name].url, url)
-    return list(out.values())
+        if url in given.setdefault(name, []):
+            raise TargetError(f"--metrics-url {v}: given twice (its counters would count twice)")
+        given[name].append(url)
+    return [Target(n, t.url, tuple(given.get(n, t.metrics_urls))) for n, t in out.items()]
 
 
 def _pair(v: str, flag: str) -> tuple[str, str]:

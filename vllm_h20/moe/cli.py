@@ -339,9 +339,20 @@ def _build_full(b, jobs, variant, log, dry_run, console, env, clean) -> None:
     help="Expert-parallel ranks the experts are spread over (the recipes: 8).",
 )  # fmt: skip
 @click.option(
+    "--num-redundant-experts", type=click.IntRange(min=0), default=0, show_default=True,
+    help="EPLB's extra expert slots (eplb-config.num_redundant_experts; the recipes: 16): they "
+    "set the experts per rank, which the kernels are compiled for.",
+)  # fmt: skip
+@click.option(
+    "--data-parallel-size", type=click.IntRange(min=1), default=1, show_default=True,
+    help="Data-parallel replicas whose steps one MoE layer sees at once (with expert "
+    "parallelism every rank gathers all replicas' tokens).",
+)  # fmt: skip
+@click.option(
     "--max-num-batched-tokens", type=click.IntRange(min=1), default=8192, show_default=True,
-    help="The most tokens one MoE call sees: vLLM's --max-num-batched-tokens (8192 is its "
-    "default for `vllm serve` on these GPUs), times the DP size with data-parallel attention.",
+    help="The most tokens one replica's step holds: vLLM's --max-num-batched-tokens (8192 is "
+    "its default for `vllm serve` on these GPUs); one MoE call sees this times "
+    "--data-parallel-size.",
 )  # fmt: skip
 @click.option(
     "--num-sms", type=click.IntRange(min=1), default=None,
@@ -351,8 +362,9 @@ def _build_full(b, jobs, variant, log, dry_run, console, env, clean) -> None:
               help="Parallel nvcc jobs. Default: the CPU count.")  # fmt: skip
 @click.option("--dry-run", is_flag=True, help="List the kernels and what is cached; compile none.")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON on stdout.")
-def precompile(model: Path, ep_size: int, max_num_batched_tokens: int, num_sms: int | None,
-               jobs: int | None, dry_run: bool, as_json: bool) -> None:  # fmt: skip
+def precompile(model: Path, ep_size: int, num_redundant_experts: int, data_parallel_size: int,
+               max_num_batched_tokens: int, num_sms: int | None, jobs: int | None,
+               dry_run: bool, as_json: bool) -> None:  # fmt: skip
     """Compile every DeepGEMM kernel the fix can launch for MODEL, before serving it.
 
     The per-expert dispatch picks its kernels from each step's token count, and DeepGEMM
@@ -365,7 +377,7 @@ def precompile(model: Path, ep_size: int, max_num_batched_tokens: int, num_sms: 
     from . import precompile as pc
 
     try:
-        shape = pc.shape_from_config(model / "config.json", ep_size)
+        shape = pc.shape_from_config(model / "config.json", ep_size, num_redundant_experts)
         if num_sms is None:
             if not _has_gpu():
                 raise pc.PrecompileError(
@@ -374,8 +386,8 @@ def precompile(model: Path, ep_size: int, max_num_batched_tokens: int, num_sms: 
             import torch
 
             num_sms = torch.cuda.get_device_properties(0).multi_processor_count
-        result = pc.run(shape, num_sms, max_num_batched_tokens, jobs, make_console(stderr=True),
-                        dry_run=dry_run)  # fmt: skip
+        rows = max_num_batched_tokens * (data_parallel_size if ep_size > 1 else 1)
+        result = pc.run(shape, num_sms, rows, jobs, make_console(stderr=True), dry_run=dry_run)
     except (pc.PrecompileError, dispatch.DispatchConfigError, PatchError, OSError) as e:
         _fail(str(e))
     result = {"model": str(model)} | result

@@ -23,12 +23,40 @@ class CheckResult:
     parsed: dict[str, Any]
 
 
+# Flags that differ from node to node of one deployment: `vllm-h20 serve --node-rank` adds them
+# to each node's command, so one recipe serves every node.
+NODE_FLAGS = ("headless", "data-parallel-size-local", "data-parallel-start-rank",
+              "data-parallel-address", "data-parallel-rpc-port", "data-parallel-rank",
+              "node-rank", "nnodes")  # fmt: skip
+# All-to-all backends that hand the experts batched activations (one block per expert):
+# FlashInfer's CUTLASS MoE takes the standard layout (vLLM 0.33: use_batched_activation_format).
+BATCHED_ALL2ALL = ("deepep_low_latency", "nixl_ep")
+
+
 def conflicts(r: Recipe) -> None:
     """Raise RecipeError for what vLLM would accept but not do as written."""
     if "config" in r.flags:
         raise RecipeError(
             f"{r.where('config')}: config: a recipe cannot include another config file "
             "(vLLM reads only one --config)"
+        )
+    for key in NODE_FLAGS:
+        if r.get(key) is not None:
+            raise RecipeError(
+                f"{r.where(key)}: {key}: differs per node; leave it out of the recipe "
+                "(`vllm-h20 serve --node-rank N --data-parallel-address HOST` adds it per node)"
+            )
+    a2a = r.get("all2all-backend")
+    if a2a is not None and not r.get("enable-expert-parallel", False):
+        raise RecipeError(
+            f"{r.where('all2all-backend')}: all2all-backend: {a2a} has no effect without "
+            "enable-expert-parallel: true"
+        )
+    if a2a in BATCHED_ALL2ALL and r.get("moe-backend") == "flashinfer_cutlass":
+        raise RecipeError(
+            f"{r.where('all2all-backend')}: all2all-backend: {a2a} hands the experts batched "
+            "activations, which moe-backend flashinfer_cutlass does not take; use "
+            "allgather_reducescatter or deepep_high_throughput"
         )
     eplb = bool(r.get("enable-eplb", False))
     ep = bool(r.get("enable-expert-parallel", False))

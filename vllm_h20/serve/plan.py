@@ -54,6 +54,9 @@ class Overheads:
     kv_bytes_per_token: float = 3.57 * GIB / 1_041_984
 
 
+GPUS_PER_NODE = 8  # an HGX H20 node
+
+
 @dataclass
 class RankPlan:
     gpu: str
@@ -61,6 +64,10 @@ class RankPlan:
     tp: int
     ep: int
     slots_per_rank: dict[str, int]
+    dp: int = 1  # data-parallel replicas: each holds its own KV cache (its TP ranks share it)
+    nodes: int = 1
+    gpus_per_node: int = GPUS_PER_NODE
+    host_shared: bool = False  # Engram tables in shared memory, one copy per node
     weights: dict[str, int] = field(default_factory=dict)  # group -> bytes on each GPU
     host_per_rank: int = 0
     host_per_node: int = 0
@@ -77,12 +84,19 @@ class RankPlan:
     def weights_total(self) -> int:
         return sum(self.weights.values())
 
+    @property
+    def kv_tokens_total(self) -> int:
+        """KV tokens of the whole deployment: every data-parallel replica's own cache."""
+        return self.kv_tokens * self.dp
+
     def concurrency(self, context: int) -> int:
-        return max(0, self.kv_tokens // max(1, context))
+        """Requests of `context` tokens held at once: a request lives in one replica."""
+        return max(0, self.kv_tokens // max(1, context)) * self.dp
 
     def to_json(self) -> dict:
         d = asdict(self)
         d["weights_total"] = self.weights_total
+        d["kv_tokens_total"] = self.kv_tokens_total
         return d
 
 
@@ -127,17 +141,29 @@ def parallelism(parsed: dict) -> tuple[int, int, int, int]:
     return tp, dp, ep, redundant
 
 
+def nodes_for(tp: int, dp: int, gpus_per_node: int = GPUS_PER_NODE) -> int:
+    """Nodes a TP x DP deployment fills; a tensor-parallel group never spans nodes here."""
+    if tp > gpus_per_node or gpus_per_node % tp:
+        raise RecipeError(
+            f"tensor-parallel-size {tp} does not fit a node of {gpus_per_node} GPUs "
+            f"(it must divide {gpus_per_node}; spread further with data-parallel-size)"
+        )
+    return max(1, math.ceil(tp * dp / gpus_per_node))
+
+
 def plan(
     recipe: Recipe,
     parsed: dict,
     model: Path,
     gpu: str = "h20-96g",
     overheads: Overheads | None = None,
+    gpus_per_node: int = GPUS_PER_NODE,
 ) -> RankPlan:
     """parsed: the values vLLM's parser read from the recipe (check.CheckResult.parsed)."""
     ov = overheads or Overheads()
     gpu_name, total = gpu_bytes(gpu)
     tp, dp, ep, redundant = parallelism(parsed)
+    nodes = nodes_for(tp, dp, gpus_per_node)
     offload = bool(parsed.get("engram_cpu_offload"))
 
     experts: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
@@ -165,6 +191,12 @@ def plan(
         if ep > 1:
             # EPLB replicas apply to the main model's MoE layers, not the DSpark draft (mtp.*).
             r = 0 if layer.startswith("mtp.") else redundant
+            if parsed.get("enable_eplb") and not layer.startswith("mtp.") and (n + r) % ep:
+                raise RecipeError(
+                    f"{recipe.where('eplb-config')}: {n} experts + {r} redundant = {n + r} "
+                    f"expert slots do not spread evenly over EP{ep} (vLLM's EPLB needs that); "
+                    f"choose eplb-config.num_redundant_experts so that {n} + it divides by {ep}"
+                )
             k = math.ceil((n + r) / ep)
             slots["draft" if layer.startswith("mtp.") else "main"] = k
             w["routed experts (EP)" if not layer.startswith("mtp.") else "draft experts (EP)"] += (
@@ -173,16 +205,27 @@ def plan(
         else:
             key = "routed experts (TP)" if not layer.startswith("mtp.") else "draft experts (TP)"
             w[key] += sum(per_expert.values()) / tp
-    host_per_rank = 0
+    # Engram tables are sharded over the TP group (times DP with embedding_across_dp). Offloaded,
+    # each rank pins its shard (rounded up to a power of two unless backed by huge pages), or,
+    # with dp_shared_memory (vLLM's default when DP > 1), the DP replicas of one node share one
+    # copy of every TP shard in /dev/shm; replicas on different nodes keep their own.
+    across = bool(parsed.get("engram_embedding_across_dp")) and dp > 1
+    group = tp * dp if across else tp
+    shared_opt = parsed.get("engram_dp_shared_memory")
+    shared_opt = (dp > 1 and not parsed.get("engram_use_thp")) if shared_opt is None else shared_opt
+    local_replicas = max(1, min(dp, gpus_per_node // tp))
+    host_shared = offload and bool(shared_opt) and not across and local_replicas > 1
+    host_per_rank = host_per_node = 0
     for t in engram_tables:
-        shard = math.ceil(t / tp)
-        if offload:
-            # Pinned allocations round up to a power of two unless backed by huge pages.
-            host_per_rank += (
-                shard if parsed.get("engram_use_thp") else 1 << (shard - 1).bit_length()
-            )
+        shard = math.ceil(t / group)
+        if not offload:
+            w["Engram tables (TP)" if not across else "Engram tables (TP x DP)"] += shard
+        elif host_shared:
+            host_per_node += shard * tp
         else:
-            w["Engram tables (TP)"] += shard
+            pinned = shard if parsed.get("engram_use_thp") else 1 << (shard - 1).bit_length()
+            host_per_rank += pinned
+            host_per_node += pinned * min(gpus_per_node, tp * dp)
     sizes = parsed.get("cudagraph_capture_sizes") or []
     capture = int(max(sizes) if sizes else parsed.get("max_cudagraph_capture_size") or 768)
     over = {
@@ -196,9 +239,13 @@ def plan(
         tp=tp,
         ep=ep,
         slots_per_rank=slots,
+        dp=dp,
+        nodes=nodes,
+        gpus_per_node=gpus_per_node,
+        host_shared=host_shared,
         weights={k: int(v) for k, v in sorted(w.items())},
         host_per_rank=host_per_rank,
-        host_per_node=host_per_rank * tp * dp,
+        host_per_node=host_per_node,
         overheads={k: float(v) for k, v in over.items()},
         max_model_len=int(parsed.get("max_model_len") or 0),
     )

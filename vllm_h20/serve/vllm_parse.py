@@ -88,6 +88,11 @@ def main(path: str) -> None:
         "kv_cache_memory_bytes": get(args, "kv_cache_memory_bytes"),
         "engram_cpu_offload": get(args, "engram_config", "cpu_offload"),
         "engram_use_thp": get(args, "engram_config", "use_thp"),
+        "engram_dp_shared_memory": get(args, "engram_config", "dp_shared_memory"),
+        "engram_embedding_across_dp": get(args, "engram_config", "embedding_across_dp"),
+        "data_parallel_size_local": get(args, "data_parallel_size_local"),
+        "all2all_backend": get(args, "all2all_backend"),
+        "max_num_batched_tokens": get(args, "max_num_batched_tokens"),
         "moe_backend": get(args, "moe_backend"),
         "num_speculative_tokens": get(args, "speculative_config", "num_speculative_tokens"),
     }
