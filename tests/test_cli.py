@@ -42,7 +42,7 @@ def test_help_lists_commands():
 
 def test_synth_offers_every_preset():
     """The CLI lists presets by hand (it imports no numpy at start): it must name them all."""
-    from vllm_h20.cli import synth
+    from vllm_h20.convert.cli import synth
     from vllm_h20.convert.synth import PRESETS
 
     choice = next(p for p in synth.params if p.name == "preset").type

@@ -82,17 +82,6 @@ def run_verify(src: Path, dst: Path, workers: int) -> float:
     return time.perf_counter() - t0
 
 
-def _versions() -> dict:
-    import ml_dtypes
-    import numpy
-
-    return {
-        "python": platform.python_version(),
-        "numpy": numpy.__version__,
-        "ml_dtypes": ml_dtypes.__version__,
-    }
-
-
 def dir_bytes(p: Path) -> int:
     return sum(f.stat().st_size for f in p.rglob("*") if f.is_file())
 

@@ -24,7 +24,8 @@ import argparse
 import json
 from pathlib import Path
 
-# V4.1-Flash's routed-expert shapes (../shared/DESIGN.md): what the MoE GEMMs see.
+# V4.1-Flash's routed-expert shapes (the `flash` preset of vllm_h20/convert/synth.py): what
+# the MoE GEMMs see.
 HIDDEN = 5120
 MOE_INTERMEDIATE = 2304
 EXPERTS = 384

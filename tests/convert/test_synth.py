@@ -3,7 +3,9 @@ import json
 import pytest
 
 from vllm_h20.convert.safetensors_io import read_header
-from vllm_h20.convert.synth import PRESETS, generate, inventory, scaled
+from vllm_h20.convert.synth import PRESETS, generate, inventory, scaled, tensor_nbytes
+
+SEED_RELEASE_GIB = 475.24  # the seed write-up's MXFP4 V4.1-Flash release, bytes in
 
 
 def test_full_flash_inventory_counts_match_the_release():
@@ -14,6 +16,18 @@ def test_full_flash_inventory_counts_match_the_release():
     assert w[1:3] == ("I8", (2304, 2560))
     s = next(x for x in inv if x[0] == "layers.0.ffn.experts.0.w2.scale")
     assert s[1:3] == ("F8_E8M0", (5120, 72))
+
+
+def test_flash_engram_rows_make_the_release_the_seeds_size():
+    """The Engram tables' rows are the one size not published: the flash preset's value is the
+    one that makes the whole release the seed's 475.24 GiB (to within one row of each table)."""
+    shape = PRESETS["flash"]
+    total = sum(tensor_nbytes(d, sh) for _n, d, sh, _k in inventory(shape))
+    per_row = tensor_nbytes("F8_E4M3", (1, shape.engram_dim)) + tensor_nbytes(
+        "F8_E8M0", (1, shape.engram_dim // 32)
+    )
+    slack = len(shape.engram_layers) * per_row
+    assert abs(total - SEED_RELEASE_GIB * (1 << 30)) <= slack
 
 
 def test_sparse_full_size_headers(tmp_path):

@@ -93,6 +93,9 @@ def test_patches_export_writes_patches_pr_text_and_evidence(tmp_path):
     assert [p.read_bytes() for p in sorted(out.glob("*.patch"))] == [
         p.read_bytes() for p in shipped
     ]
+    # Only the shipped series and its release variants: candidate series are not the PR.
+    assert sorted(d.name for d in out.iterdir() if d.is_dir()) == ["evidence", "v0.6.14"]
+    assert "`candidates/`" not in (out / "PR.md").read_text()
     r = cli("patches", "export", str(out))
     assert r.returncode == 2 and "not empty" in r.stderr
 

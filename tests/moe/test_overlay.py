@@ -73,14 +73,6 @@ def test_no_overlay_for_sources_that_do_not_need_it(fake_fi, patches, tmp_path):
         overlay.build_overlay(src, a, overlay.overlay_for(src, patches, tmp_path))
 
 
-def test_cache_root_follows_the_environment(monkeypatch, tmp_path):
-    monkeypatch.setenv("VLLM_H20_CACHE_DIR", str(tmp_path / "c"))
-    assert overlay.cache_root() == tmp_path / "c"
-    monkeypatch.delenv("VLLM_H20_CACHE_DIR")
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "x"))
-    assert overlay.cache_root() == tmp_path / "x" / "vllm-h20"
-
-
 def test_patched_spec_moves_the_build_onto_the_overlay(installed_fi, patches, jit_spec, tmp_path):
     a, ov = _built(installed_fi, patches, tmp_path)
     spec = overlay.patched_spec(jit_spec, ov)

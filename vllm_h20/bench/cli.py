@@ -9,7 +9,7 @@ from pathlib import Path
 import click
 
 from ..console import make_console
-from ..exits import EXIT_CHECK_FAILED
+from ..exits import EXIT_CHECK_FAILED, UserErrorGroup
 from ..exits import fail as _fail
 
 _EXTRA = "pip install 'vllm-h20[bench]'"
@@ -31,15 +31,7 @@ def _user_errors():
     return (GSM8KError, ReportError, SpecError, SweepError, TargetError)
 
 
-class _BenchGroup(click.Group):
-    def invoke(self, ctx):
-        try:
-            return super().invoke(ctx)
-        except _user_errors() as e:
-            _fail(str(e))
-
-
-@click.group(cls=_BenchGroup)
+@click.group(cls=UserErrorGroup, user_errors=_user_errors)
 def bench() -> None:
     """Compare deployments: GuideLLM sweeps, reports with plots, the paired GSM8K check.
 

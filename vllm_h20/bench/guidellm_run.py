@@ -32,7 +32,8 @@ class RunArgs:
 
 
 def command(spec: SweepSpec, a: RunArgs) -> list[str]:
-    """The `guidellm run` command line (DESIGN.md: the form checked against GuideLLM 0.8.1)."""
+    """The `guidellm run` command line, in the form GuideLLM 0.8.1's own parser accepts (the
+    bench tests run it against `guidellm mock-server`)."""
     backend = [
         "kind=openai_http",
         f"target={a.url}",

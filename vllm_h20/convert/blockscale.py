@@ -304,10 +304,3 @@ def fp8_reblock(
         if stats.inexact:
             _add_errors(stats, sel, s_exp[gi, gj], abserr_lut**2, abserr_lut, axes=(1, 2))
     return np.ascontiguousarray(q), _scales(block_exp), stats
-
-
-def e8m0_to_float32(scale: np.ndarray) -> np.ndarray:
-    """Exact E8M0 -> float32 (what vLLM must be given instead of raw E8M0 bytes)."""
-    s = np.ascontiguousarray(scale).view(np.uint8)
-    _check_e8m0(s)
-    return pow2(e8m0_exponent(s)).astype(np.float32)

@@ -101,7 +101,7 @@ PRESETS: dict[str, ModelShape] = {
     # The published V4.1-Flash shapes (with --sparse: headers only, for the planner). The
     # Engram table geometry is not published: 2 tables x 95,981,714 rows x 1024 E4M3 values
     # (+ E8M0 scales) is what makes the release total the seed's 475.24 GiB, everything else
-    # being sized from the published shapes (ENGRAM_ROWS_FROM_SEED below reproduces it).
+    # being sized from the published shapes (tests/convert/test_synth.py re-derives it).
     "flash": ModelShape(engram_rows=95_981_714),
     # The user journey on one H200 (--layout v4, benchmarks/journey_h200/): V4.1-Flash's MoE
     # shapes with V4's attention, 3 layers (hash-routed, ratio 4, ratio 128), a 1,024-token
@@ -121,20 +121,6 @@ PRESETS: dict[str, ModelShape] = {
         vision_layers=0,
     ),
 }
-
-
-SEED_RELEASE_GIB = 475.24  # the seed write-up's MXFP4 V4.1-Flash release, bytes in
-
-
-def engram_rows_from_seed(shape: ModelShape, total_gib: float = SEED_RELEASE_GIB) -> int:
-    """Rows per Engram table that make the whole inventory `total_gib`: the only size of the
-    release not derivable from published shapes."""
-    entries = inventory(replace(shape, engram_rows=0))
-    rest = sum(tensor_nbytes(d, sh) for _n, d, sh, _k in entries)
-    per_row = tensor_nbytes("F8_E4M3", (1, shape.engram_dim)) + tensor_nbytes(
-        "F8_E8M0", (1, shape.engram_dim // 32)
-    )
-    return round((total_gib * (1 << 30) - rest) / len(shape.engram_layers) / per_row)
 
 
 def _config(shape: ModelShape, layout: str) -> dict:

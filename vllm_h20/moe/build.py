@@ -1,23 +1,19 @@
-"""Build the patched SM90 fused-MoE JIT module (or just the objects our patch touches).
-
-FlashInfer describes the module as a JitSpec and writes a ninja file for it; we take that spec
-from the installed FlashInfer, move it onto our overlay (`overlay.patched_spec`) and run the
-same ninja file, so the flags are FlashInfer's own. Imports FlashInfer (and so torch): CLI only,
-never the plugin.
+"""The toolchain layer: nvcc/CUDA discovery, link shims, include closures and every ninja
+helper. It decides nothing (which module and which sources are `plan.py`'s and `dispatch.py`'s
+business) and imports nothing of the package above `overlay`/`paths`, so anything may use it.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import shutil
 import subprocess
-import sys
-from collections.abc import Callable, Iterable, Mapping
-from dataclasses import asdict, dataclass
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
+from . import paths
 from .overlay import Overlay
 
 _INCLUDE = re.compile(r'^\s*#\s*include\s*"([^"]+)"', re.M)
@@ -26,25 +22,6 @@ _NINJA_STATUS = re.compile(r"^\[(\d+)/(\d+)\]")
 
 class BuildError(RuntimeError):
     pass
-
-
-@dataclass(frozen=True)
-class BuildPlan:
-    """What FlashInfer's ninja file for the patched module contains."""
-
-    module: str
-    build_dir: str
-    ninja_file: str
-    library: str
-    objects: dict[str, str]  # source path -> object path
-    touched: list[str]  # sources whose include closure reaches a patched file
-
-    def to_json(self) -> str:
-        return json.dumps(asdict(self))
-
-    @classmethod
-    def from_json(cls, text: str) -> BuildPlan:
-        return cls(**json.loads(text))
 
 
 def find_cuda_home() -> str | None:
@@ -96,12 +73,6 @@ def driver_api_names(cuda_h: Path) -> list[str]:
     return sorted(names)
 
 
-def _shim_dir(cache: Path) -> Path:
-    d = cache / "link-shims"
-    d.mkdir(parents=True, exist_ok=True)
-    return d
-
-
 def link_shims(cuda_home: str | None, cache: Path) -> Path | None:
     """A directory with what FlashInfer's link line (`-lcudart -lcuda -lnvrtc`) needs and this
     toolkit lacks, so a JIT module links on a machine without a GPU driver or a full toolkit:
@@ -113,7 +84,7 @@ def link_shims(cuda_home: str | None, cache: Path) -> Path | None:
         return None
     lib64 = Path(cuda_home) / "lib64"
     made = False
-    out = _shim_dir(cache)
+    out = paths.link_shims_dir(cache)
     for name in ("nvrtc", "cudart"):
         if (lib64 / f"lib{name}.so").exists():
             continue
@@ -156,13 +127,11 @@ def jit_env(
     workspace: Path | None = None, arch: str | None = None, cache: Path | None = None
 ) -> dict[str, str]:
     """Environment for building FlashInfer JIT modules on a machine that may have no GPU."""
-    from .overlay import cache_root
-
     env = dict(os.environ)
     cuda_home = find_cuda_home()
     if cuda_home:
         env["CUDA_HOME"] = cuda_home
-    shims = link_shims(cuda_home, cache or cache_root())
+    shims = link_shims(cuda_home, cache or paths.cache_root())
     if shims is not None:
         extra = env.get("FLASHINFER_EXTRA_LDFLAGS", "")
         if f"-L{shims}" not in extra:
@@ -226,64 +195,10 @@ def touched_sources(
     return out
 
 
-def plan(variant: str = "auto", cache: Path | None = None) -> tuple[BuildPlan, Overlay]:
-    """Write FlashInfer's ninja file for the patched SM90 fused-MoE module; return its plan.
-
-    variant: auto (FlashInfer decides from the visible GPU), h20 (the 78-SM prebuilt-D
-    variant, for building on a machine without the H20 attached), generic."""
-    from flashinfer.jit import fused_moe as jit_fused_moe
-
-    from . import dispatch
-    from .overlay import overlay_for
-
-    select_variant(variant)
-    decision = dispatch.decide(env={dispatch.ENV: "per_expert", dispatch.MODULE_ENV: "full"})
-    if not decision.overlay:
-        raise BuildError(decision.message)
-    stock_gen = jit_fused_moe.gen_cutlass_fused_moe_sm90_module
-    gen = dispatch.patched_generator(stock_gen, decision, cache)
-    spec = gen()
-    spec.write_ninja()
-    assert decision.src is not None
-    overlay = overlay_for(decision.src, decision.patches, cache)
-    from .reduced import object_map
-
-    objects = object_map(Path(spec.ninja_path))
-    includes = [Path(d) for d in spec.extra_include_dirs]
-    touched = [str(Path(t).resolve()) for t in touched_sources(spec.sources, includes, overlay)]
-    missing = [t for t in touched if t not in objects]
-    if missing:
-        raise BuildError(f"{spec.ninja_path} has no build line for {missing[0]}")
-    return (
-        BuildPlan(
-            module=spec.name,
-            build_dir=str(spec.build_dir),
-            ninja_file=str(spec.ninja_path),
-            library=str(spec.jit_library_path),
-            objects=objects,
-            touched=touched,
-        ),
-        overlay,
-    )
-
-
-def select_variant(variant: str) -> None:
-    """Make FlashInfer's SM90 fused-MoE spec the H20 (78-SM prebuilt-D) or generic variant
-    regardless of the visible GPU; "auto" leaves FlashInfer's own choice."""
-    if variant == "auto":
-        return
-    from flashinfer.jit import fused_moe as jit_fused_moe
-
-    hook = getattr(jit_fused_moe, "_should_enable_sm90_moe_prebuilt_d_descriptor", None)
-    if hook is None and variant == "h20":
-        raise BuildError("this FlashInfer has no H20 (prebuilt-D) fused-MoE variant")
-    if hook is not None:
-        jit_fused_moe._should_enable_sm90_moe_prebuilt_d_descriptor = lambda: variant == "h20"
-
-
 @dataclass(frozen=True)
 class NinjaFile:
-    """A build directory and its ninja file: what `run_ninja` needs of a plan or a JitSpec."""
+    """A build directory and its ninja file: what `run_ninja` needs of a plan or a JitSpec
+    (plan.BuildPlan has both fields too)."""
 
     build_dir: str
     ninja_file: str
@@ -293,28 +208,30 @@ class NinjaFile:
         return cls(str(spec.build_dir), str(spec.ninja_path))
 
 
-def plan_in_subprocess(
-    package_root: Path | None, env: Mapping[str, str], variant: str = "generic"
-) -> BuildPlan:
-    """`plan()` run by another FlashInfer (an unpacked wheel at package_root) in a child
-    interpreter, so one CI job can check several FlashInfer versions."""
-    env = dict(env)
-    if package_root is not None:
-        env["PYTHONPATH"] = os.pathsep.join(
-            [str(package_root), str(Path(__file__).resolve().parents[2]), env.get("PYTHONPATH", "")]
-        )
-    code = (
-        "import sys, os; from vllm_h20.moe import build; "
-        f"p, _ = build.plan({variant!r}, os.environ.get('VLLM_H20_CACHE_DIR') and "
-        "__import__('pathlib').Path(os.environ['VLLM_H20_CACHE_DIR'])); "
-        "print('PLAN ' + p.to_json())"
-    )
-    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
-    for line in proc.stdout.splitlines():
-        if line.startswith("PLAN "):
-            return BuildPlan.from_json(line[5:])
-    tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["no output"]
-    raise BuildError(f"could not build FlashInfer's JIT spec: {tail[0]}")
+def object_map(ninja_file: Path) -> dict[str, str]:
+    """source -> object, as FlashInfer's ninja file names them (the naming changed across
+    FlashInfer versions, so it is read rather than recomputed)."""
+    out = {}
+    for line in Path(ninja_file).read_text().splitlines():
+        m = re.match(r"^build (\S+\.o): \S*compile (\S+)", line)
+        if m:
+            out[m.group(2)] = m.group(1)
+    return out
+
+
+_ERROR = re.compile(r"(^|[\s:])(fatal )?error( [A-Z]*\d+)?:|#error", re.I)
+_ERROR_LOOSE = re.compile(r"(^|[\s:])(fatal )?error( [A-Z]*\d+)?:|#error|^FAILED:|not found", re.I)
+
+
+def first_error(output: str | Sequence[str]) -> str:
+    """The first line of a compiler's or ninja's output that names an error (not a path that
+    contains "error"), else its last line."""
+    lines = output.strip().splitlines() if isinstance(output, str) else list(output)
+    for pattern in (_ERROR, _ERROR_LOOSE):
+        for ln in lines:
+            if pattern.search(ln) and not ln.startswith("ninja: Entering"):
+                return ln.strip()
+    return (lines[-1] if lines else "(no output)").strip()
 
 
 def ninja_binary() -> str:
@@ -330,7 +247,7 @@ def ninja_binary() -> str:
 
 
 def run_ninja(
-    plan: BuildPlan | NinjaFile,
+    plan: NinjaFile,
     targets: list[str] | None,
     jobs: int,
     env: Mapping[str, str],
@@ -359,13 +276,11 @@ def run_ninja(
         if out:
             out.close()
     if rc != 0:
-        from .reduced import first_error
-
         where = f"; full log: {log}" if log else ""
         raise BuildError(f"ninja failed (exit {rc}): {first_error(tail)[:300]}{where}")
 
 
-def headers_used(plan: BuildPlan, obj: str) -> list[str]:
+def headers_used(plan: NinjaFile, obj: str) -> list[str]:
     """The headers ninja recorded for an object it built (FlashInfer's rules use deps=gcc)."""
     proc = subprocess.run(
         [ninja_binary(), "-C", plan.build_dir, "-f", plan.ninja_file, "-t", "deps", obj],
@@ -375,7 +290,7 @@ def headers_used(plan: BuildPlan, obj: str) -> list[str]:
     return [ln.strip() for ln in proc.stdout.splitlines() if ln.startswith(" ")]
 
 
-def wrong_headers(plan: BuildPlan, overlay: Overlay, stock_csrc: Path) -> list[str]:
+def wrong_headers(plan, overlay: Overlay, stock_csrc: Path) -> list[str]:
     """How the built objects failed to use the patched sources, from ninja's dependency
     records: a touched object that read no patched file from the overlay, or that read the
     stock copy of one from FlashInfer's csrc (the include order let it escape)."""
@@ -414,7 +329,7 @@ def unpack_wheel(wheel: Path, dest_root: Path) -> Path:
     return dest
 
 
-def build_seconds(plan: BuildPlan) -> dict[str, float]:
+def build_seconds(plan: NinjaFile) -> dict[str, float]:
     """Seconds ninja spent on each output (normalized absolute path), from its .ninja_log
     (latest entry wins; an output that was up to date keeps the time of the build that made
     it)."""

@@ -8,18 +8,18 @@ import importlib.metadata
 import json
 import os
 import shutil
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import click
 
+from .. import settings
 from ..console import make_console, step_progress
 from ..exits import EXIT_CHECK_FAILED
 from ..exits import fail as _fail
-from . import dispatch, flashinfer_src, overlay
+from . import compile_check, dispatch, export_pr, flashinfer_src, overlay, paths
+from . import plan as build_plan
 from .patchfile import PatchError
 
 
@@ -30,21 +30,22 @@ def _version(dist: str) -> str:
         return "not installed"
 
 
-def _jit_root(version: str) -> Path:
-    base = Path(os.environ.get("FLASHINFER_WORKSPACE_BASE", Path.home()))
-    return base / ".cache" / "flashinfer" / version
-
-
 def _built_modules(src: flashinfer_src.FlashInferSource, key: str) -> list[Path]:
     """Patched full modules already in FlashInfer's JIT cache (any arch, generic or H20)."""
     return sorted(
-        _jit_root(src.version).glob(f"*/cached_ops/*_vllm_h20_{key[:8]}/*_vllm_h20_{key[:8]}.so")
+        paths.flashinfer_jit_dir(src.version).glob(
+            f"*/cached_ops/*_vllm_h20_{key[:8]}/*_vllm_h20_{key[:8]}.so"
+        )
     )
 
 
 def _built_reduced(src: flashinfer_src.FlashInferSource) -> list[Path]:
     """Reduced block-scale modules (fix and stock) already in FlashInfer's JIT cache."""
-    return sorted(_jit_root(src.version).glob("*/cached_ops/*_vllm_h20_bs_*/*_vllm_h20_bs_*.so"))
+    return sorted(
+        paths.flashinfer_jit_dir(src.version).glob(
+            "*/cached_ops/*_vllm_h20_bs_*/*_vllm_h20_bs_*.so"
+        )
+    )
 
 
 def _routes(decision: dispatch.Decision) -> list[tuple[str, str]]:
@@ -91,14 +92,16 @@ def status(as_json: bool) -> None:
 
     Exit code 0 when vLLM would run the per-expert dispatch (patched or already fixed), 1 when
     it would run the stock kernel choice."""
+    env = settings.current()
     info: dict = {
         "vllm_h20": _version("vllm-h20"),
         "vllm": _version("vllm"),
         "torch": _version("torch"),
         "flashinfer": None,
-        "dispatch_env": os.environ.get(dispatch.ENV, "per_expert (default)"),
-        "module_env": os.environ.get(dispatch.MODULE_ENV, "reduced (default)"),
-        "strict_env": os.environ.get(dispatch.STRICT_ENV, "0 (default)"),
+        "dispatch_env": env[dispatch.ENV],
+        "module_env": env[dispatch.MODULE_ENV],
+        "strict_env": env[dispatch.STRICT_ENV],
+        "patch_series_env": env[overlay.SERIES_ENV],
     }
     try:
         decision = dispatch.decide()
@@ -224,7 +227,7 @@ def _build_reduced(b, mode, jobs, variant, log, dry_run, clean, console) -> dict
     from . import reduced
 
     try:
-        b.select_variant(variant)
+        build_plan.select_variant(variant)
         decision = dispatch.decide(env={dispatch.ENV: mode, dispatch.MODULE_ENV: "reduced"})
     except (b.BuildError, dispatch.DispatchConfigError) as e:
         _fail(str(e))
@@ -263,7 +266,7 @@ def _build_reduced(b, mode, jobs, variant, log, dry_run, clean, console) -> dict
         "library": str(spec.jit_library_path),
         "objects": len(spec.sources),
         "seconds": round(time.monotonic() - t0, 1),
-        "plan": dataclasses.asdict(_plan_of(b, spec, decision)),
+        "plan": dataclasses.asdict(build_plan.reduced_plan(spec, decision)),
     }
     if dry_run:
         console.print(f"would build [bold]{spec.name}[/] ({len(spec.sources)} objects) in "
@@ -280,29 +283,9 @@ def _build_reduced(b, mode, jobs, variant, log, dry_run, clean, console) -> dict
     return result
 
 
-def _plan_of(b, spec, decision: dispatch.Decision):
-    """The reduced spec as a BuildPlan: its objects, and (fix module) the sources that include a
-    patched file, for the header check of `patches check --compile`."""
-    from . import reduced
-
-    touched: list[str] = []
-    if decision.route == "fix":
-        ov = overlay.overlay_for(decision.src, decision.patches)
-        includes = [Path(d) for d in spec.extra_include_dirs]
-        touched = [str(Path(t).resolve()) for t in b.touched_sources(spec.sources, includes, ov)]
-    return b.BuildPlan(
-        module=spec.name,
-        build_dir=str(spec.build_dir),
-        ninja_file=str(spec.ninja_path),
-        library=str(spec.jit_library_path),
-        objects=reduced.object_map(spec.ninja_path) if Path(spec.ninja_path).is_file() else {},
-        touched=touched,
-    )
-
-
 def _build_full(b, jobs, variant, log, dry_run, console, env, clean) -> None:
     try:
-        plan, ov = b.plan(variant)
+        plan, ov = build_plan.full_plan(variant)
     except (b.BuildError, PatchError) as e:
         _fail(str(e))
     if clean and Path(plan.library).exists():
@@ -471,7 +454,7 @@ def check(fi_path, do_compile, jobs, workdir, as_json) -> None:
     "has-fix" (the sources already contain the patches) also exits 0."""
     from . import build as b
 
-    workdir = workdir or overlay.cache_root() / "check"
+    workdir = workdir or paths.check_dir()
     workdir.mkdir(parents=True, exist_ok=True)
     try:
         src, import_root = _source_from(fi_path, workdir)
@@ -491,7 +474,9 @@ def check(fi_path, do_compile, jobs, workdir, as_json) -> None:
     }
     ok = a.state in (overlay.FixState.NEEDS_PATCH, overlay.FixState.HAS_FIX)
     if do_compile and a.state is overlay.FixState.NEEDS_PATCH:
-        result["compile"] = _compile_touched(src, ps, import_root, workdir, jobs, as_json)
+        result["compile"] = compile_check.compile_touched(
+            src, ps, import_root, workdir, jobs, as_json
+        )
         ok = ok and result["compile"]["ok"]
     if as_json:
         click.echo(json.dumps(result, indent=2))
@@ -515,76 +500,6 @@ def check(fi_path, do_compile, jobs, workdir, as_json) -> None:
     sys.exit(0 if ok else EXIT_CHECK_FAILED)
 
 
-def _compile_touched(src, ps, import_root, workdir: Path, jobs, quiet: bool) -> dict:
-    """Build and link the reduced fix module of this FlashInfer (`kernels build` in a child
-    interpreter that imports it), then check from ninja's records that every source including a
-    patched file compiled the overlay's copy."""
-    from . import build as b
-
-    ov = overlay.overlay_for(src, ps, workdir / "overlay")
-    tag = f"{src.version}-{ov.key[:8]}"
-    env = b.jit_env(workspace=workdir / "jit" / tag, arch="9.0a", cache=workdir / "overlay")
-    env["PYTHONPATH"] = os.pathsep.join(
-        p for p in (str(import_root or ""), str(Path(__file__).resolve().parents[2]),
-                    env.get("PYTHONPATH", "")) if p
-    )  # fmt: skip
-    for var in (dispatch.ENV, dispatch.MODULE_ENV, dispatch.STRICT_ENV):
-        env.pop(var, None)
-    jobs = jobs or os.cpu_count() or 1
-    cmd = [sys.executable, "-m", "vllm_h20.cli", "kernels", "build", "--dispatch", "per_expert",
-           "--module", "reduced", "--variant", "generic", "-j", str(jobs), "--json",
-           "--log", str(workdir / "jit" / tag / "ninja.log")]  # fmt: skip
-    (workdir / "jit" / tag).mkdir(parents=True, exist_ok=True)
-    proc = subprocess.run(
-        cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE if quiet else None, text=True
-    )
-    try:
-        built = json.loads(proc.stdout)[0]
-    except (ValueError, IndexError):
-        why = (proc.stderr or "").strip().splitlines()[-1:] or [f"exit {proc.returncode}"]
-        return {"ok": False, "problems": [f"kernels build: {why[0]}"], "objects": []}
-    plan = b.BuildPlan(**built["plan"])
-    problems = list(built.get("link_problems", []))
-    if proc.returncode != 0 and not problems:
-        problems.append(f"kernels build exited {proc.returncode}")
-    if not problems:
-        # ninja occasionally records no dependencies for an object (seen once with two nvcc
-        # jobs in parallel); rebuild such an object alone so the header check has its list.
-        for source in plan.touched:
-            obj = plan.objects[source]
-            if not b.headers_used(plan, obj):
-                Path(obj).unlink(missing_ok=True)
-                try:
-                    b.run_ninja(plan, [obj], 1, env)
-                except b.BuildError as e:
-                    problems.append(str(e))
-        problems += b.wrong_headers(plan, ov, src.csrc_dir.resolve())
-    seconds = b.build_seconds(plan)
-    objects = [
-        {
-            "source": _csrc_relative(source),
-            "object": obj,
-            "built": Path(obj).is_file(),
-            "seconds": seconds.get(os.path.normpath(obj)),
-            "patched": source in plan.touched,
-        }
-        for source, obj in plan.objects.items()
-    ]
-    return {
-        "ok": not problems,
-        "module": plan.module,
-        "library": plan.library,
-        "build_seconds": built.get("seconds"),
-        "objects": objects,
-        "problems": problems,
-    }
-
-
-def _csrc_relative(path: str) -> str:
-    parts = Path(path).parts
-    return "/".join(parts[parts.index("csrc") :]) if "csrc" in parts else path
-
-
 @patches.command()
 @click.argument("out", type=click.Path(path_type=Path))
 @click.option(
@@ -605,59 +520,7 @@ def export(out: Path, results: Path) -> None:
         _fail(str(e))
     if out.exists() and any(out.iterdir()):
         _fail(f"{out} is not empty; choose a new directory")
-    evidence = (
-        sorted([*results.glob("moe_dispatch_*"), *results.glob("fused_moe_*")])
-        if results.is_dir()
-        else []
-    )
-    tmp = Path(tempfile.mkdtemp(prefix=".export-", dir=out.parent if out.parent.exists() else None))
-    try:
-        base = overlay.patches_dir() / "flashinfer"
-        for p in sorted(base.glob("*.patch")):
-            shutil.copyfile(p, tmp / p.name)
-        for variant in sorted(d for d in base.iterdir() if d.is_dir()):  # older releases
-            (tmp / variant.name).mkdir()
-            for p in sorted(variant.glob("*.patch")):
-                shutil.copyfile(p, tmp / variant.name / p.name)
-        (tmp / "evidence").mkdir()
-        for e in evidence:
-            shutil.copyfile(e, tmp / "evidence" / e.name)
-        variants = sorted(d.name for d in base.iterdir() if d.is_dir())
-        (tmp / "PR.md").write_text(_pr_text(ps, evidence, variants), encoding="utf-8")
-        out.parent.mkdir(parents=True, exist_ok=True)
-        if out.exists():
-            out.rmdir()
-        os.rename(tmp, out)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+    evidence = export_pr.write(out, ps, results)
     click.echo(f"wrote {out}: {len(ps)} patch(es), {len(evidence)} evidence file(s)")
     if not evidence:
         click.echo(f"note: no benchmark results in {results}; PR.md says so", err=True)
-
-
-def _pr_text(ps, evidence: list[Path], variants: list[str] = ()) -> str:
-    # The series' last commit says what the PR as a whole does; the list names every commit.
-    parts = [f"# {ps[-1].subject}", ""]
-    if len(ps) > 1:
-        parts += [f"{len(ps)} commits, in order:", ""]
-        parts += [f"{i}. {p.subject}" for i, p in enumerate(ps, 1)] + [""]
-    for p in ps:
-        body = p.message
-        marker = body.find("\nEvidence:")
-        if marker >= 0:
-            body = body[:marker].rstrip()
-        parts += [body, ""]
-    if variants:
-        parts += [
-            "The same change for older releases (other context lines only), for a backport: "
-            + ", ".join(f"`{v}/`" for v in variants)
-            + ".",
-            "",
-        ]
-    parts += ["## Evidence", ""]
-    tables = [e for e in evidence if e.suffix == ".md"]
-    if not tables:
-        parts.append("Not measured yet: no benchmark results were found when this was exported.")
-    for e in tables:
-        parts += [f"### {e.stem}", "", e.read_text(encoding="utf-8").strip(), ""]
-    return "\n".join(parts).rstrip() + "\n"

@@ -26,24 +26,25 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
+from .. import settings as _settings
 from . import flashinfer_src, hook
 from .overlay import (
     Assessment,
     FixState,
     assess,
     build_overlay,
-    cache_root,
     overlay_for,
     patched_spec,
     series_name,
     shipped_patches,
 )
 from .patchfile import Patch, PatchError
+from .paths import cache_root
 
 ENV = "VLLM_H20_MOE_DISPATCH"
-MODES = ("per_expert", "stock")
+MODES = _settings.BY_NAME[ENV].choices
 MODULE_ENV = "VLLM_H20_MOE_MODULE"
-MODULES = ("reduced", "full")
+MODULES = _settings.BY_NAME[MODULE_ENV].choices
 STRICT_ENV = "VLLM_H20_STRICT"
 CORE_MODULE = "flashinfer.fused_moe.core"
 GEN_NAME = "gen_cutlass_fused_moe_sm90_module"
@@ -64,28 +65,16 @@ class Settings:
     strict: bool
 
 
-def _choice(env: Mapping[str, str], name: str, choices: Sequence[str], what: str) -> str:
-    value = env.get(name, choices[0]).strip() or choices[0]
-    if value not in choices:
-        raise DispatchConfigError(f"{name}={value!r} is not one of {', '.join(choices)} ({what})")
-    return value
-
-
 def settings(env: Mapping[str, str] | None = None) -> Settings:
-    env = os.environ if env is None else env
-    mode = _choice(
-        env, ENV, MODES, "per_expert: the fixed kernel choice; stock: FlashInfer's, for A/B runs"
-    )
-    module = _choice(
-        env,
-        MODULE_ENV,
-        MODULES,
-        "reduced: a block-scale-only module built in minutes; full: FlashInfer's whole module",
-    )
-    strict = env.get(STRICT_ENV, "0").strip().lower()
-    if strict not in ("0", "1", "false", "true", ""):
-        raise DispatchConfigError(f"{STRICT_ENV}={strict!r} is not 0 or 1")
-    return Settings(mode, module, strict in ("1", "true"))
+    """The three dispatch settings (vllm_h20/settings.py has their table), validated."""
+    try:
+        return Settings(
+            _settings.choice(ENV, env),
+            _settings.choice(MODULE_ENV, env),
+            _settings.flag(STRICT_ENV, env),
+        )
+    except _settings.SettingError as e:
+        raise DispatchConfigError(str(e)) from None
 
 
 def requested_mode(env: Mapping[str, str] | None = None) -> str:
@@ -283,6 +272,7 @@ def reduced_spec(
     only from FlashInfer's own module build or the CLI."""
     from . import reduced
     from .overlay import overlay_key
+    from .paths import reduced_dir
 
     assert decision.src is not None and decision.route in reduced.VARIANTS
     cache = cache or cache_root()
@@ -296,7 +286,7 @@ def reduced_spec(
     else:
         sources_key = overlay_key(decision.src, ())
     key = reduced.reduction_key(sources_key)
-    where = reduced.gen_dir(cache, decision.src.version, stock.name, decision.route, key)
+    where = reduced_dir(decision.src.version, stock.name, decision.route, key, cache)
     spec = reduced.reduce_spec(spec, decision.route, key, where, base=stock.name)
     if build:
         from .build import NinjaFile, run_ninja

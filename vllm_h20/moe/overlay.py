@@ -17,9 +17,11 @@ from enum import Enum
 from pathlib import Path
 from typing import Any
 
+from .. import settings
 from .._data import shipped_dir
 from .flashinfer_src import FlashInferSource
 from .patchfile import Patch, PatchError, apply_file, read_patch
+from .paths import overlay_dir
 
 OVERLAY_FORMAT = "2"
 # The line the fix removes; its absence with a patch that does not apply means someone else
@@ -49,15 +51,6 @@ class Assessment:
     patched: dict[str, str]  # csrc-relative path -> patched text (NEEDS_PATCH only)
 
 
-def cache_root() -> Path:
-    """`$VLLM_H20_CACHE_DIR`, else `$XDG_CACHE_HOME/vllm-h20`, else `~/.cache/vllm-h20`."""
-    env = os.environ.get("VLLM_H20_CACHE_DIR")
-    if env:
-        return Path(env).expanduser()
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    return (Path(xdg) if xdg else Path.home() / ".cache") / "vllm-h20"
-
-
 SERIES_ENV = "VLLM_H20_PATCH_SERIES"
 
 
@@ -67,7 +60,7 @@ def series_dir(version: str | None = None, project: str = "flashinfer") -> Path:
     `patches/<project>/`. `$VLLM_H20_PATCH_SERIES` (e.g. `candidates/fitted-row-tiles`) picks
     another series under `patches/flashinfer/` instead of the shipped one."""
     base = patches_dir() / project
-    chosen = os.environ.get(SERIES_ENV, "").strip().strip("/") if project == "flashinfer" else ""
+    chosen = settings.raw(SERIES_ENV).strip("/") if project == "flashinfer" else ""
     if chosen:
         known = {p.parent.relative_to(base).as_posix() for p in base.glob("candidates/*/*.patch")}
         if chosen not in known:
@@ -192,7 +185,7 @@ class Overlay:
 
 def overlay_for(src: FlashInferSource, patches: Sequence[Patch], root: Path | None = None):
     key = overlay_key(src, patches)
-    base = (root or cache_root()) / "flashinfer" / src.version / f"overlay-{key}"
+    base = overlay_dir(src.version, key, root)
     files = tuple(sorted({d.path[len("csrc/") :] for _p, d in _source_diffs(patches)}))
     return Overlay(root=base, key=key, stock_csrc=src.csrc_dir.resolve(), patched_files=files)
 

@@ -21,13 +21,13 @@ import os
 import re
 import shutil
 import subprocess
-import tempfile
 import time
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass
 from pathlib import Path
 
+from . import build, paths
 from .expected_m import swap_threshold
 
 KERNEL_CUH = (
@@ -175,18 +175,6 @@ def shape_from_config(config: Path, ep_size: int = 1, redundant: int = 0) -> Moe
     return shape
 
 
-def cache_dir() -> Path:
-    """Where DeepGEMM looks for compiled kernels (getDefaultUserDir in compiler.cuh)."""
-    base = os.environ.get("TRTLLM_DG_CACHE_DIR")
-    if base:
-        return Path(base) / "cache"
-    home = os.environ.get("HOME")
-    base_dir = (
-        Path(home) / ".tensorrt_llm" if home else Path(tempfile.gettempdir()) / "tensorrt_llm"
-    )
-    return base_dir / "cache"
-
-
 def nvcc() -> str:
     """The nvcc DeepGEMM would run (getNvccCompiler: TRTLLM_DG_NVCC_COMPILER, CUDA_HOME, PATH)."""
     home = os.environ.get("CUDA_HOME")
@@ -217,12 +205,6 @@ def planner_source(csrc: Path) -> str:
     return PLANNER % {"plan": plan, "name": m.group(0).strip()}
 
 
-def first_error(output: str) -> str:
-    """The first line of a compiler's output that names an error (else its last line)."""
-    lines = output.strip().splitlines() or ["(no output)"]
-    return next((ln.strip() for ln in lines if "error" in ln.lower()), lines[-1].strip())
-
-
 def flags_drift(csrc: Path) -> list[str]:
     """NVCC_FLAGS entries the headers' Compiler::build no longer spells (empty: in step)."""
     text = (csrc / COMPILER_CUH).read_text()
@@ -234,8 +216,6 @@ def flags_drift(csrc: Path) -> list[str]:
 def _host_includes(csrc: Path, fi_root: Path) -> tuple[list[str], list[Path]]:
     """The planner's include flags and the few FlashInfer sources its headers need at link;
     fi_root: FlashInfer's data directory (its include/ beside csrc/)."""
-    from . import build
-
     nv = csrc / "nv_internal"
     extra = build.find_cublas_include(build.find_cuda_home())  # nvrtc.h, when not in the toolkit
     flags = [f"-I{nv}", f"-I{nv / 'include'}", f"-I{csrc}", f"-I{fi_root / 'include'}",
@@ -264,7 +244,8 @@ def build_planner(csrc: Path, fi_root: Path, work: Path) -> Path:
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
     if r.returncode != 0:
         raise PrecompileError(
-            f"the kernel planner did not compile against {csrc}: {first_error(r.stderr + r.stdout)}"
+            f"the kernel planner did not compile against {csrc}: "
+            + build.first_error(r.stderr + r.stdout)
         )
     os.replace(tmp, exe)
     return exe
@@ -322,7 +303,7 @@ def compile_kernels(
             tmp.unlink(missing_ok=True)
             if not any(target.iterdir()):
                 target.rmdir()  # no empty entry left behind for this kernel
-            return first_error(r.stderr + r.stdout)
+            return build.first_error(r.stderr + r.stdout)
         os.replace(tmp, target / CUBIN)
         return None
 
@@ -362,10 +343,10 @@ def run(shape: MoeShape, num_sms: int, max_tokens: int, jobs: int | None, consol
             f"{ov.csrc_dir / COMPILER_CUH} no longer passes nvcc {drift[0]}: vllm-h20's copy of "
             "DeepGEMM's flags is out of date"
         )
-    work = overlay.cache_root() / "precompile" / ov.key
+    work = paths.precompile_dir(ov.key)
     planner = build_planner(ov.csrc_dir, decision.src.root, work)
     kernels = plan_kernels(planner, shape, num_sms, max_tokens, work / "src")
-    cache = cache_dir()
+    cache = paths.deepgemm_cache_dir()
     include = ov.csrc_dir / "nv_internal" / "tensorrt_llm"  # what the module points DeepGEMM at
     result: dict = {"shape": dataclasses.asdict(shape), "num_sms": num_sms,
                     "max_num_batched_tokens": max_tokens, "cache_dir": str(cache),

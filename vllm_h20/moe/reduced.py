@@ -30,6 +30,8 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
+from .build import object_map
+
 FORMAT = "2"  # bump when the reduction changes: it is part of the module name
 VARIANTS = ("fix", "stock")
 
@@ -235,17 +237,6 @@ def write_stubs(objects: Sequence[Path], stubs: Path) -> list[str]:
 # --------------------------------------------------------------------------- build
 
 
-def object_map(ninja_file: Path) -> dict[str, str]:
-    """source -> object, as FlashInfer's ninja file names them (the naming changed across
-    FlashInfer versions, so it is read rather than recomputed)."""
-    out = {}
-    for line in Path(ninja_file).read_text().splitlines():
-        m = re.match(r"^build (\S+\.o): \S*compile (\S+)", line)
-        if m:
-            out[m.group(2)] = m.group(1)
-    return out
-
-
 def objects_of(spec: Any) -> list[Path]:
     """Every object of a reduced spec's ninja file but the stubs'."""
     by_source = object_map(spec.ninja_path)
@@ -271,22 +262,6 @@ def prepare(spec: Any, run: Any) -> list[str]:
         others = objects_of(spec)
         run([str(o) for o in others])
         return write_stubs(others, Path([s for s in spec.sources if s.name == STUBS_FILE][0]))
-
-
-def gen_dir(cache: Path, version: str, base: str, variant: str, key: str) -> Path:
-    return cache / "flashinfer" / version / f"{base}-reduced-{variant}-{key[:12]}"
-
-
-_ERROR = re.compile(r"(^|[\s:])(fatal )?error( [A-Z]*\d+)?:|#error|^FAILED:|not found", re.I)
-
-
-def first_error(lines: Sequence[str]) -> str:
-    """The compiler's first error line in a build log (not a path that contains "error")."""
-    for pattern in (re.compile(r"(^|[\s:])(fatal )?error( [A-Z]*\d+)?:|#error", re.I), _ERROR):
-        for ln in lines:
-            if pattern.search(ln) and not ln.startswith("ninja: Entering"):
-                return ln.strip()
-    return (lines[-1] if lines else "no output").strip()
 
 
 # --------------------------------------------------------------------------- link check
