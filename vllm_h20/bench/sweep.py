@@ -171,6 +171,29 @@ def pending(out: Path, keys: list[RunKey]) -> Iterator[RunKey]:
             yield k
 
 
+def _gzip(raw: Path) -> None:
+    """Keep GuideLLM's report (the evidence) compressed: it is mostly repeated JSON."""
+    with open(raw, "rb") as src, gzip.open(raw.with_name(raw.name + ".gz"), "wb") as dst:
+        shutil.copyfileobj(src, dst)
+    raw.unlink()
+
+
+def _server_window(rec: counters.Recorder, w0: float, w1: float) -> dict[str, Any]:
+    """The engines' counters over GuideLLM's measurement window [w0, w1]."""
+    win = counters.window(rec.samples, w0, w1)
+    return {
+        "t0": win.t0,
+        "t1": win.t1,
+        "seconds": win.seconds,
+        "delta": win.delta,
+        "input_tok_s": win.rate("prompt_tokens"),
+        "output_tok_s": win.rate("generation_tokens"),
+        "prefix_cache_hits": win.delta.get("prefix_cache_hits"),
+        "scrapes": len(rec.samples),
+        "scrape_errors": len(rec.errors),
+    }
+
+
 def measure(
     out: Path,
     spec: SweepSpec,
@@ -248,9 +271,7 @@ def measure(
         gl = summarize(raw)
     except Exception as e:  # GuideLLM's own loader: any failure means an unusable report
         return done(f"cannot read GuideLLM's report {raw}: {e}")
-    with open(raw, "rb") as src, gzip.open(raw.with_name(raw.name + ".gz"), "wb") as dst:
-        shutil.copyfileobj(src, dst)
-    raw.unlink()
+    _gzip(raw)
     rec["guidellm"] = gl
     req = gl["requests"]
     if not req["successful"]:
@@ -260,21 +281,10 @@ def measure(
     rec["window_s"] = w1 - w0
     if rec_ctx is not None:
         try:
-            win = counters.window(rec_ctx.samples, w0, w1)
+            rec["server"] = _server_window(rec_ctx, w0, w1)
         except counters.CountersError as e:
             extra = f" (scrape errors: {rec_ctx.errors[0]})" if rec_ctx.errors else ""
             return done(f"server counters: {e}{extra}")
-        rec["server"] = {
-            "t0": win.t0,
-            "t1": win.t1,
-            "seconds": win.seconds,
-            "delta": win.delta,
-            "input_tok_s": win.rate("prompt_tokens"),
-            "output_tok_s": win.rate("generation_tokens"),
-            "prefix_cache_hits": win.delta.get("prefix_cache_hits"),
-            "scrapes": len(rec_ctx.samples),
-            "scrape_errors": len(rec_ctx.errors),
-        }
         rec["throughput"] = rec["server"][f"{spec.throughput}_tok_s"]
     else:
         rec["throughput"] = gl[f"{spec.throughput}_tok_s"]

@@ -164,68 +164,9 @@ def plan(
     gpu_name, total = gpu_bytes(gpu)
     tp, dp, ep, redundant = parallelism(parsed)
     nodes = nodes_for(tp, dp, gpus_per_node)
-    offload = bool(parsed.get("engram_cpu_offload"))
-
-    experts: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
-    w: dict[str, float] = defaultdict(float)
-    engram_tables: list[int] = []
-    for name, nbytes in _tensors(model):
-        if _HF_EXPERT.search(name):
-            raise NotPlannable(
-                f"{model}: DeepSeek-V2/V3 tensor names ({name}); the planner sizes the "
-                "DeepSeek-V4.1 layout only"
-            )
-        m = _EXPERT.match(name)
-        if m:
-            experts[m["layer"]][m["e"]] += nbytes
-        elif _ENGRAM_TABLE.search(name):
-            engram_tables.append(nbytes)
-        elif _TP.search(name):
-            w["dense (TP-sharded)"] += nbytes / tp
-        else:
-            w["dense (replicated)"] += nbytes
-    slots = {}
-    for layer, per_expert in experts.items():
-        n = len(per_expert)
-        biggest = max(per_expert.values())
-        if ep > 1:
-            # EPLB replicas apply to the main model's MoE layers, not the DSpark draft (mtp.*).
-            r = 0 if layer.startswith("mtp.") else redundant
-            if parsed.get("enable_eplb") and not layer.startswith("mtp.") and (n + r) % ep:
-                raise RecipeError(
-                    f"{recipe.where('eplb-config')}: {n} experts + {r} redundant = {n + r} "
-                    f"expert slots do not spread evenly over EP{ep} (vLLM's EPLB needs that); "
-                    f"choose eplb-config.num_redundant_experts so that {n} + it divides by {ep}"
-                )
-            k = math.ceil((n + r) / ep)
-            slots["draft" if layer.startswith("mtp.") else "main"] = k
-            w["routed experts (EP)" if not layer.startswith("mtp.") else "draft experts (EP)"] += (
-                k * biggest
-            )
-        else:
-            key = "routed experts (TP)" if not layer.startswith("mtp.") else "draft experts (TP)"
-            w[key] += sum(per_expert.values()) / tp
-    # Engram tables are sharded over the TP group (times DP with embedding_across_dp). Offloaded,
-    # each rank pins its shard (rounded up to a power of two unless backed by huge pages), or,
-    # with dp_shared_memory (vLLM's default when DP > 1), the DP replicas of one node share one
-    # copy of every TP shard in /dev/shm; replicas on different nodes keep their own.
-    across = bool(parsed.get("engram_embedding_across_dp")) and dp > 1
-    group = tp * dp if across else tp
-    shared_opt = parsed.get("engram_dp_shared_memory")
-    shared_opt = (dp > 1 and not parsed.get("engram_use_thp")) if shared_opt is None else shared_opt
-    local_replicas = max(1, min(dp, gpus_per_node // tp))
-    host_shared = offload and bool(shared_opt) and not across and local_replicas > 1
-    host_per_rank = host_per_node = 0
-    for t in engram_tables:
-        shard = math.ceil(t / group)
-        if not offload:
-            w["Engram tables (TP)" if not across else "Engram tables (TP x DP)"] += shard
-        elif host_shared:
-            host_per_node += shard * tp
-        else:
-            pinned = shard if parsed.get("engram_use_thp") else 1 << (shard - 1).bit_length()
-            host_per_rank += pinned
-            host_per_node += pinned * min(gpus_per_node, tp * dp)
+    w, slots, engram_tables = _weights(recipe, parsed, model, tp, ep, redundant)
+    host_shared, host_per_rank, host_per_node = _engram(parsed, engram_tables, w, tp, dp,
+                                                        gpus_per_node)  # fmt: skip
     sizes = parsed.get("cudagraph_capture_sizes") or []
     capture = int(max(sizes) if sizes else parsed.get("max_cudagraph_capture_size") or 768)
     over = {
@@ -249,6 +190,87 @@ def plan(
         overheads={k: float(v) for k, v in over.items()},
         max_model_len=int(parsed.get("max_model_len") or 0),
     )
+    _kv_cache(p, parsed, ov)
+    return p
+
+
+def _weights(recipe: Recipe, parsed: dict, model: Path, tp: int, ep: int, redundant: int):
+    """(bytes per GPU by kind, expert slots per rank, Engram table sizes) from the headers:
+    routed experts by EP (EPLB replicas on the main model's layers), TP-split linears, the rest
+    replicated."""
+    experts: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
+    w: dict[str, float] = defaultdict(float)
+    engram_tables: list[int] = []
+    for name, nbytes in _tensors(model):
+        if _HF_EXPERT.search(name):
+            raise NotPlannable(
+                f"{model}: DeepSeek-V2/V3 tensor names ({name}); the planner sizes the "
+                "DeepSeek-V4.1 layout only"
+            )
+        m = _EXPERT.match(name)
+        if m:
+            experts[m["layer"]][m["e"]] += nbytes
+        elif _ENGRAM_TABLE.search(name):
+            engram_tables.append(nbytes)
+        elif _TP.search(name):
+            w["dense (TP-sharded)"] += nbytes / tp
+        else:
+            w["dense (replicated)"] += nbytes
+    slots = {}
+    for layer, per_expert in experts.items():
+        draft = layer.startswith("mtp.")
+        n = len(per_expert)
+        if ep == 1:
+            w["draft experts (TP)" if draft else "routed experts (TP)"] += (
+                sum(per_expert.values()) / tp
+            )
+            continue
+        # EPLB replicas apply to the main model's MoE layers, not the DSpark draft (mtp.*).
+        r = 0 if draft else redundant
+        if parsed.get("enable_eplb") and not draft and (n + r) % ep:
+            raise RecipeError(
+                f"{recipe.where('eplb-config')}: {n} experts + {r} redundant = {n + r} "
+                f"expert slots do not spread evenly over EP{ep} (vLLM's EPLB needs that); "
+                f"choose eplb-config.num_redundant_experts so that {n} + it divides by {ep}"
+            )
+        k = math.ceil((n + r) / ep)
+        slots["draft" if draft else "main"] = k
+        w["draft experts (EP)" if draft else "routed experts (EP)"] += k * max(per_expert.values())
+    return w, slots, engram_tables
+
+
+def _engram(parsed: dict, tables: list[int], w: dict[str, float], tp: int, dp: int,
+            gpus_per_node: int) -> tuple[bool, int, int]:  # fmt: skip
+    """Where the Engram tables live: (shared on the host, pinned bytes per rank, per node); on
+    the GPU (added to w) when not offloaded. They are sharded over the TP group (times DP with
+    embedding_across_dp). Offloaded, each rank pins its shard (rounded up to a power of two
+    unless backed by huge pages), or, with dp_shared_memory (vLLM's default when DP > 1), the
+    DP replicas of one node share one copy of every TP shard in /dev/shm; replicas on different
+    nodes keep their own."""
+    offload = bool(parsed.get("engram_cpu_offload"))
+    across = bool(parsed.get("engram_embedding_across_dp")) and dp > 1
+    group = tp * dp if across else tp
+    shared_opt = parsed.get("engram_dp_shared_memory")
+    shared_opt = (dp > 1 and not parsed.get("engram_use_thp")) if shared_opt is None else shared_opt
+    local_replicas = max(1, min(dp, gpus_per_node // tp))
+    host_shared = offload and bool(shared_opt) and not across and local_replicas > 1
+    host_per_rank = host_per_node = 0
+    for t in tables:
+        shard = math.ceil(t / group)
+        if not offload:
+            w["Engram tables (TP)" if not across else "Engram tables (TP x DP)"] += shard
+        elif host_shared:
+            host_per_node += shard * tp
+        else:
+            pinned = shard if parsed.get("engram_use_thp") else 1 << (shard - 1).bit_length()
+            host_per_rank += pinned
+            host_per_node += pinned * min(gpus_per_node, tp * dp)
+    return host_shared, host_per_rank, host_per_node
+
+
+def _kv_cache(p: RankPlan, parsed: dict, ov: Overheads) -> None:
+    """The KV cache what is left leaves (or kv-cache-memory-bytes), and whether it fits."""
+    total, over = p.gpu_bytes, sum(p.overheads.values())
     util = float(parsed.get("gpu_memory_utilization") or 0.9)
     fixed_kv = int(parsed.get("kv_cache_memory_bytes") or 0)
     if fixed_kv:
@@ -257,18 +279,18 @@ def plan(
         p.kv_fixed = True
         p.budget = total
         p.kv_bytes = fixed_kv
-        short = p.weights_total + sum(over.values()) + fixed_kv - total
+        short = p.weights_total + over + fixed_kv - total
         needs = f" + kv-cache-memory-bytes {fixed_kv / GIB:.2f} GiB exceed {total / GIB:.2f} GiB"
     else:
         p.budget = int(total * util)
-        p.kv_bytes = int(p.budget - p.weights_total - sum(over.values()))
+        p.kv_bytes = int(p.budget - p.weights_total - over)
         short = -p.kv_bytes
         needs = f" exceed {util:g} x {total / GIB:.2f} GiB"
     p.kv_tokens = max(0, int(p.kv_bytes / ov.kv_bytes_per_token))
     if short > 0:
         p.why = (
             f"weights {p.weights_total / GIB:.2f} GiB + overheads "
-            f"{sum(over.values()) / GIB:.2f} GiB{needs} by {short / GIB:.2f} GiB per GPU"
+            f"{over / GIB:.2f} GiB{needs} by {short / GIB:.2f} GiB per GPU"
         )
     elif p.max_model_len and p.kv_tokens < p.max_model_len:
         p.why = (
@@ -276,4 +298,3 @@ def plan(
             f"{p.max_model_len:,}: vLLM refuses to start"
         )
     p.fits = not p.why
-    return p
