@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import pytest
@@ -65,3 +66,26 @@ def test_bad_recipes_are_one_line_naming_the_key(write_recipe, text, message):
     with pytest.raises(RecipeError, match=message) as e:
         check.check(recipe.load(write_recipe(text)))
     assert "\n" not in str(e.value)
+
+
+def test_an_accepted_recipe_is_not_parsed_again_until_it_changes(write_recipe, monkeypatch,
+                                                                  tmp_path):  # fmt: skip
+    """vLLM's answer for an accepted recipe is kept (its import costs 10-30 s per check); the
+    same bytes are answered from the cache, a changed recipe or another interpreter asks vLLM."""
+    monkeypatch.setenv("VLLM_H20_CACHE_DIR", str(tmp_path / "cache"))
+    path = write_recipe("tensor-parallel-size: 2\n")
+    first = check.check(recipe.load(path))
+    assert first.parsed["tensor_parallel_size"] == 2
+    assert len(list((tmp_path / "cache" / "recipe-check").glob("*.json"))) == 1
+
+    def no_vllm(*a, **k):  # the only way to prove the child process was not started
+        raise AssertionError("vLLM's parser ran again")
+
+    monkeypatch.setattr(check.subprocess, "run", no_vllm)
+    assert check.check(recipe.load(path)) == first
+    path.write_text("tensor-parallel-size: 4\n")
+    with pytest.raises(AssertionError, match="ran again"):
+        check.check(recipe.load(path))
+    path.write_text("tensor-parallel-size: 2\n")
+    with pytest.raises(AssertionError, match="ran again"):
+        check.check(recipe.load(path), python=sys.executable)

@@ -56,6 +56,11 @@ def check_dir(cache: Path | None = None) -> Path:
     return _root(cache) / "check"
 
 
+def recipe_check_dir(cache: Path | None = None) -> Path:
+    """vLLM's parser's answers for recipes it accepted (serve/check.py), one file each."""
+    return _root(cache) / "recipe-check"
+
+
 def wheels_dir(cache: Path | None = None) -> Path:
     """Downloaded and unpacked FlashInfer wheels (CI's four releases)."""
     return _root(cache) / "ci"

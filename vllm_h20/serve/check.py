@@ -6,13 +6,19 @@ on top we refuse combinations vLLM accepts silently but that cannot be what was 
 
 from __future__ import annotations
 
+import hashlib
+import importlib.metadata
 import json
 import os
 import subprocess
 import sys
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
+from .._io import write_json_atomic
+from ..moe.paths import recipe_check_dir
+from . import vllm_parse
 from .recipe import Recipe, RecipeError
 
 
@@ -86,6 +92,25 @@ def check_argv(extra: list[str]) -> None:
 
 def check(r: Recipe, python: str | None = None) -> CheckResult:
     conflicts(r)
+    out = _parse(r, python)
+    if not out["ok"]:
+        key = out.get("key")
+        where = r.where(key) if key else str(r.path)
+        raise RecipeError(f"{where}: {key + ': ' if key else ''}{out['error']}")
+    return CheckResult(vllm=out["vllm"], flags=out["flags"], parsed=out["parsed"])
+
+
+def _parse(r: Recipe, python: str | None) -> dict[str, Any]:
+    """What vLLM's parser makes of the recipe (vllm_parse.py in a child process: importing vLLM
+    takes 10-30 s). An accepted recipe's answer is kept under the cache root, keyed by the
+    recipe's bytes, the installed vLLM and the parser script, so `plan` and `serve` on the same
+    recipe do not pay for it again; another interpreter (`python`) is always asked."""
+    cached = _cache_file(r) if python is None else None
+    if cached is not None and cached.is_file():
+        try:
+            return json.loads(cached.read_text())
+        except (OSError, ValueError):
+            pass  # a damaged entry: ask vLLM again
     env = dict(os.environ, VLLM_TARGET_DEVICE="cpu", VLLM_CONFIGURE_LOGGING="0")
     proc = subprocess.run(
         [python or sys.executable, "-m", "vllm_h20.serve.vllm_parse", str(r.path)],
@@ -100,8 +125,23 @@ def check(r: Recipe, python: str | None = None) -> CheckResult:
         tail = (proc.stderr.strip().splitlines() or ["no output"])[-1]
         raise RecipeError(f"{r.path}: vLLM's parser failed: {tail}")
     out = json.loads(line[len("VLLM_PARSE ") :])
-    if not out["ok"]:
-        key = out.get("key")
-        where = r.where(key) if key else str(r.path)
-        raise RecipeError(f"{where}: {key + ': ' if key else ''}{out['error']}")
-    return CheckResult(vllm=out["vllm"], flags=out["flags"], parsed=out["parsed"])
+    if out["ok"] and cached is not None:
+        try:
+            cached.parent.mkdir(parents=True, exist_ok=True)
+            write_json_atomic(cached, out)
+        except OSError:
+            pass  # a read-only or full cache only costs the next check its time
+    return out
+
+
+def _cache_file(r: Recipe) -> Path | None:
+    try:
+        vllm = importlib.metadata.version("vllm")
+        key = hashlib.sha256(
+            Path(r.path).read_bytes()
+            + Path(vllm_parse.__file__).read_bytes()
+            + f"\0{vllm}\0{sys.executable}".encode()
+        ).hexdigest()
+    except (importlib.metadata.PackageNotFoundError, OSError):
+        return None
+    return recipe_check_dir() / f"{key[:32]}.json"
