@@ -143,6 +143,10 @@ def test_serve_prints_every_nodes_command_and_refuses_what_cannot_run(small_fp8,
                              f"--data-parallel-start-rank 1 {dp} 29550 --port 8001")  # fmt: skip
     one = cli(*base, "--data-parallel-address", "h", "--node-rank", "1", "--dry-run")
     assert one.returncode == 0 and one.stdout.strip().splitlines()[-1].count("--headless") == 1
+    # 16-GPU nodes: the same recipe is one node, for the commands and the plan alike.
+    big = cli(*base, "--gpus-per-node", "16", "--dry-run")
+    assert big.returncode == 0, big.stderr
+    assert "TP8 x DP2, EP16, 1 node" in big.stdout and "--headless" not in big.stdout
     dp16 = cli("serve", TWO_NODE[1], "--model", str(model), "--no-precompile",
                "--data-parallel-address", "h", "--dry-run")  # fmt: skip
     assert "--data-parallel-start-rank 8 --data-parallel-size-local 8" in dp16.stdout

@@ -110,9 +110,9 @@ class Recorder:
             self._thread.join(timeout=10)
 
     def _loop(self) -> None:
+        urls = (self.url,) if isinstance(self.url, str) else self.url
         while True:
             try:
-                urls = (self.url,) if isinstance(self.url, str) else self.url
                 self.samples.append(scrape_all(urls, timeout=min(5.0, 4 * self.interval)))
             except CountersError as e:
                 if len(self.errors) < 20:

@@ -80,8 +80,15 @@ def conflicts(r: Recipe) -> None:
 
 
 def check_argv(extra: list[str]) -> None:
-    """Extra `vllm serve` arguments: `--config=FILE` is silently ignored by vLLM."""
+    """Extra `vllm serve` arguments: `--config=FILE` is silently ignored by vLLM, and the
+    per-node flags are `vllm-h20 serve`'s to set."""
     for a in extra:
+        name = a.split("=", 1)[0]
+        if name.startswith("--") and name[2:] in NODE_FLAGS:
+            raise RecipeError(
+                f"{name}: vllm-h20 serve sets it per node (--node-rank, "
+                "--data-parallel-address, --data-parallel-rpc-port)"
+            )
         if a.startswith("--config="):
             raise RecipeError(
                 f"{a}: vLLM ignores --config=FILE; pass the recipe as FILE (or --config FILE)"

@@ -14,7 +14,7 @@ import click
 from ..console import make_console
 from ..exits import EXIT_CHECK_FAILED
 from ..exits import fail as _fail
-from .recipe import RecipeError
+from .recipe import GPUS_PER_NODE, RecipeError
 
 GIB = 1 << 30
 
@@ -56,7 +56,8 @@ _gpu_opt = click.option(
 )
 
 
-def _plan(r, res, model: Path, gpu: str, unknown_ok: bool = False):
+def _plan(r, res, model: Path, gpu: str, unknown_ok: bool = False,
+          gpus_per_node: int = GPUS_PER_NODE):  # fmt: skip
     """The plan for a recipe already checked (`_checked`: vLLM's parser runs once); None when
     unknown_ok and the planner does not know the checkpoint's layout (it says so)."""
     from . import plan as plan_mod
@@ -64,7 +65,7 @@ def _plan(r, res, model: Path, gpu: str, unknown_ok: bool = False):
     if not model.is_dir():
         _fail(f"{model}: not a directory; --model is the (converted) checkpoint directory")
     try:
-        return plan_mod.plan(r, res.parsed, model, gpu)
+        return plan_mod.plan(r, res.parsed, model, gpu, gpus_per_node=gpus_per_node)
     except plan_mod.NotPlannable as e:
         if not unknown_ok:
             _fail(str(e))
@@ -97,6 +98,10 @@ def _host_short(p) -> str:
     return f"{p.host_per_node / GIB:.1f} GiB" + (" shared" if p.host_shared else "")
 
 
+def _slots(p) -> str:
+    return ", ".join(f"{k} {v}" for k, v in p.slots_per_rank.items())
+
+
 def _print_plan(p, contexts=CONTEXTS) -> None:
     from rich.table import Table
 
@@ -120,9 +125,7 @@ def _print_plan(p, contexts=CONTEXTS) -> None:
     if p.host_per_node:
         t.add_row("pinned host memory (Engram)", _host(p))
     if p.slots_per_rank:
-        t.add_row(
-            "expert slots per rank", ", ".join(f"{k} {v}" for k, v in p.slots_per_rank.items())
-        )
+        t.add_row("expert slots per rank", _slots(p))
     make_console().print(t)
 
 
@@ -143,9 +146,7 @@ def _print_comparison(plans: list[tuple[str, object]], contexts=CONTEXTS) -> Non
 
     row("layout", lambda p: _layout(p).replace(", ", " "))
     row("GPUs", lambda p: f"{p.tp * p.dp}")
-    row(
-        "expert slots per GPU", lambda p: ", ".join(f"{k} {v}" for k, v in p.slots_per_rank.items())
-    )
+    row("expert slots per GPU", _slots)
     row("weights per GPU", lambda p: f"{p.weights_total / GIB:.2f} GiB")
     row("KV cache per GPU", lambda p: f"{p.kv_bytes / GIB:.2f} GiB")
     row("KV tokens per replica", lambda p: f"{p.kv_tokens:,}")
@@ -313,8 +314,8 @@ def _precompile_fix(r, parsed: dict, model: Path, gpu: str, extra: list[str], dr
     show_default=True,
     help="Multi-node: the head's data-parallel RPC port (the same on every node).",
 )
-@click.option("--gpus-per-node", type=click.IntRange(min=1), default=8, show_default=True,
-              help="GPUs per node, to lay a multi-node recipe out.")  # fmt: skip
+@click.option("--gpus-per-node", type=click.IntRange(min=1), default=GPUS_PER_NODE,
+              show_default=True, help="GPUs per node, to lay a multi-node recipe out.")  # fmt: skip
 @click.argument("extra", nargs=-1, type=click.UNPROCESSED)
 def serve(file, model, gpu, dry_run, force, precompile, node_rank, address, rpc_port,
           gpus_per_node, extra) -> None:  # fmt: skip
@@ -337,12 +338,6 @@ def serve(file, model, gpu, dry_run, force, precompile, node_rank, address, rpc_
     r, res = _checked(file)
     try:
         check.check_argv(list(extra))
-        for flag in check.NODE_FLAGS:
-            if _last_flag(list(extra), f"--{flag}") is not None or f"--{flag}" in extra:
-                raise RecipeError(
-                    f"--{flag}: vllm-h20 serve sets it per node (--node-rank, "
-                    "--data-parallel-address, --data-parallel-rpc-port)"
-                )
     except RecipeError as e:
         _fail(str(e))
     model = model or (Path(r.flags["model"]) if "model" in r.flags else None)
@@ -369,7 +364,7 @@ def serve(file, model, gpu, dry_run, force, precompile, node_rank, address, rpc_
         # Random weights: no checkpoint to read sizes from; vLLM measures memory at start.
         click.echo("plan: skipped: load-format dummy (random weights, no checkpoint to size)")
     else:
-        p = _plan(r, res, model, gpu, unknown_ok=True)
+        p = _plan(r, res, model, gpu, unknown_ok=True, gpus_per_node=gpus_per_node)
     if p is not None:
         _print_plan(p)
         if not p.fits and not force:

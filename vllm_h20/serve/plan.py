@@ -16,7 +16,7 @@ from pathlib import Path
 
 from ..convert.plan import INDEX
 from ..convert.safetensors_io import read_header
-from .recipe import Recipe, RecipeError
+from .recipe import GPUS_PER_NODE, Recipe, RecipeError
 
 GIB = 1 << 30
 MIB = 1 << 20
@@ -52,9 +52,6 @@ class Overheads:
     activation_peak_gib: float = 10.65
     cuda_graph_gib_at_768: float = 2.60
     kv_bytes_per_token: float = 3.57 * GIB / 1_041_984
-
-
-GPUS_PER_NODE = 8  # an HGX H20 node
 
 
 @dataclass

@@ -14,6 +14,9 @@ import yaml
 
 from .._data import resolve_shipped, shipped_dir
 
+# GPUs per node the recipes are laid out for (an HGX H20 node); `plan` and `serve` take another.
+GPUS_PER_NODE = 8
+
 
 class RecipeError(ValueError):
     """A recipe that vLLM would reject or misread; the message names file, line and key."""
