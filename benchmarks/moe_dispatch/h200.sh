@@ -60,7 +60,7 @@ full)
         > "$S/out/fused.log" 2>&1
     echo "[$(date +%T)] fused op: exit $?"
     echo "[$(date +%T)] H20 emulations"
-    timeout 600 "${RUN[@]}" --out "$S/out/emulated" --no-main --no-calibration --emulate all \
+    timeout 600 "${RUN[@]}" --out "$S/out/emulated" --no-main --no-calibration --emulate "${EMULATE:-all}" \
         > "$S/out/emulated.log" 2>&1
     echo "[$(date +%T)] H20 emulations: exit $?"
     echo "[$(date +%T)] the patch's test on the stock module (it must fail there)"

@@ -92,6 +92,22 @@ SMS_HOOK = (SMS_LINE, "static int kNumDeviceSMs = vllm_h20_num_sms_override();")
 SHIPPED_HOOKS = (SINGLE_LAUNCH_HOOK, FORCE_BRANCH_HOOK, SMS_HOOK)
 # The fitted-row-tile candidate (plan_launches): those, a forced fitted launch, the previous plan
 # (the shipped series' rule, run from this build's row classes) and a split.
+# The shipped series' plan, run from a later series' row-class launches (the calibration build's
+# rule mode 3).
+PREV_PLAN = (
+    "  if (vllm_h20_prev_plan()) {\n"
+    "    unsigned cold_m, boundary, hot_m;\n"
+    "    vllm_h20_prev_row_classes(expected_m, max_m_per_problem, m_per_expert_threshold,\n"
+    "                              cold_m, boundary, hot_m);\n"
+    "    if (max_m_per_problem <= boundary) {\n"
+    "      run_swap_ab(cold_m, {});\n"
+    "    } else {\n"
+    "      run_swap_ab(cold_m, {1, boundary});\n"
+    "      run_regular(hot_m, {boundary + 1, deep_gemm::kAnyRows}, /*overlap=*/true);\n"
+    "    }\n"
+    "    return;\n"
+    "  }\n"
+)  # fmt: skip
 FITTED_HOOKS = (
     (SINGLE_LAUNCH_HOOK[0],
      SINGLE_LAUNCH_HOOK[1] + "\n"
@@ -102,23 +118,25 @@ FITTED_HOOKS = (
      "    }"),
     FORCE_BRANCH_HOOK,
     (PLAN_LINE,
-     "  if (vllm_h20_prev_plan()) {\n"
-     "    unsigned cold_m, boundary, hot_m;\n"
-     "    vllm_h20_prev_row_classes(expected_m, max_m_per_problem, m_per_expert_threshold,\n"
-     "                              cold_m, boundary, hot_m);\n"
-     "    if (max_m_per_problem <= boundary) {\n"
-     "      run_swap_ab(cold_m, {});\n"
-     "    } else {\n"
-     "      run_swap_ab(cold_m, {1, boundary});\n"
-     "      run_regular(hot_m, {boundary + 1, deep_gemm::kAnyRows}, /*overlap=*/true);\n"
-     "    }\n"
-     "    return;\n"
-     "  }\n"
-     "  LaunchPlan plan = plan_launches(\n"
+     PREV_PLAN + "  LaunchPlan plan = plan_launches(\n"
      "      max_m_per_problem, vllm_h20_split_rows(split_rows_for(num_device_sms)));"),
     SMS_HOOK,
 )  # fmt: skip
+# The whole-expert-tile candidate (plan_row_classes with the GPU's ridge): the shipped hooks and the
+# previous plan in front of its own.
+CLASS_PLAN_LINE = "  uint32_t const busiest = busiest_balanced_rows(expected_m);"
+CLASS_HOOKS = (*SHIPPED_HOOKS, (CLASS_PLAN_LINE, PREV_PLAN + CLASS_PLAN_LINE))
 CANDIDATE = "candidates/fitted-row-tiles"
+
+
+def series_kind(kernel_cuh: str) -> str:
+    """Which dispatch a patched fp8_blockscale_gemm_kernel.cuh has: "fitted" (fitted row tiles),
+    "classes" (row classes bounded by the GPU's ridge) or "shipped" (the shipped series)."""
+    if "plan_launches(" in kernel_cuh:
+        return "fitted"
+    return "classes" if "ridge_rows(" in kernel_cuh else "shipped"
+
+
 CALIB_DECLS = (
     "extern int vllm_h20_force_branch;\nint vllm_h20_num_sms_override();\n"
     "bool vllm_h20_single_launch();\nbool vllm_h20_prev_plan();\n"
@@ -186,7 +204,8 @@ def prepare_sources(data: Path, work: Path, variant: str, series: str = "") -> P
     if variant == "calib":
         f = nv / KERNEL_CUH
         text = f.read_text()
-        hooks = FITTED_HOOKS if "plan_launches(" in text else SHIPPED_HOOKS
+        hooks = {"fitted": FITTED_HOOKS, "classes": CLASS_HOOKS,
+                 "shipped": SHIPPED_HOOKS}[series_kind(text)]  # fmt: skip
         for line, hook in hooks:
             assert text.count(line) == 1, f"grouped_gemm_dispatch changed: update {line!r}"
             text = text.replace(line, hook)
@@ -238,6 +257,14 @@ CANDIDATE_VERSIONS = (
     Version("fix_again", "patched", "fixed"),
     Version("split", "calib", "fixed", SPLIT),
 )
+# The whole-expert-tile candidate: the shipped series' plan (prev) beside it, from its build.
+CLASS_VERSIONS = (
+    Version("stock", "stock", "stock"),
+    Version("avg", "calib", "fixed", AVG_ONLY),
+    Version("prev", "calib", "fixed", PREV),
+    Version("fix", "patched", "fixed"),
+    Version("fix_again", "patched", "fixed"),
+)
 # --explore: does the second launch cost less when no kernel changes the shared-memory carveout?
 EXPLORE = (
     Version("stock", "stock", "stock"),
@@ -254,6 +281,14 @@ EMU_VERSIONS = (
     Version("avg", "calib", "fixed", AVG_ONLY),
     Version("fix", "calib", "fixed", (0, 0)),
 )
+CLASS_EMU_VERSIONS = (*EMU_VERSIONS[:2], Version("prev", "calib", "fixed", PREV), EMU_VERSIONS[2])
+
+
+def emu_versions(kind: str) -> tuple[Version, ...]:
+    """The emulations' columns for a series kind (see series_kind)."""
+    return CLASS_EMU_VERSIONS if kind == "classes" else EMU_VERSIONS
+
+
 # H20 emulations: (name, SMs the kernels plan for, CTAs they run on). FP8 tensor rate scales with
 # the SMs used: 40 of 132 is what the issue asks (296 / 989 TFLOP/s, 989 being H200's dense BF16);
 # 20 matches the FP8 datasheet peaks (296 / 1,979), at a bandwidth 20 SMs cannot fill.
@@ -593,7 +628,8 @@ def emulate_child(args) -> None:
     data = unpack_flashinfer(args.flashinfer, args.work)
     gpu = Gpu({"calib": mod}, data, args.work)
     bw = measure_copy_bandwidth(torch)
-    versions = {v.name: (mod, v.kind, v.rule) for v in EMU_VERSIONS}
+    kind = series_kind((args.work / "calib" / "nv_internal" / KERNEL_CUH).read_text())
+    versions = {v.name: (mod, v.kind, v.rule) for v in emu_versions(kind)}
     rows = []
     for routing in cases.ALL_ROUTINGS:
         for tokens in EMULATED_TOKENS:
@@ -602,8 +638,7 @@ def emulate_child(args) -> None:
                 "sms": int(os.environ["VLLM_H20_NUM_SMS"]),
                 "grid": int(os.environ.get("VLLM_H20_GRID_SMS", os.environ["VLLM_H20_NUM_SMS"])),
                 "threshold": 64, "ab": rows})  # fmt: skip
-    fitted = "plan_launches(" in (args.work / "calib" / "nv_internal" / KERNEL_CUH).read_text()
-    calib = calibrate(gpu, mod, EMU_CALIB_M, fitted)
+    calib = calibrate(gpu, mod, EMU_CALIB_M, kind == "fitted")
     doc = json.loads((args.out / f"{args.emulate_child}.json").read_text())
     write_json(args.out / f"{args.emulate_child}.json", doc | {"calibration": calib})
 
@@ -846,7 +881,9 @@ def main() -> None:
     with cf.ProcessPoolExecutor(len(VARIANTS)) as pool:
         jobs = [(str(data), str(args.work), v, series) for v in VARIANTS]
         built = dict(pool.map(_build_in_child, jobs))
-    candidate = "plan_launches(" in (args.work / "patched" / "nv_internal" / KERNEL_CUH).read_text()
+    kind = series_kind((args.work / "patched" / "nv_internal" / KERNEL_CUH).read_text())
+    candidate = kind == "fitted"
+    result["series_kind"] = kind
     result["phases"]["build_s"] = time.time() - t0
     log(f"built in {result['phases']['build_s']:.0f} s: {built}")
 
@@ -863,7 +900,8 @@ def main() -> None:
     procs = min(args.jobs, 16)
     if args.explore and not candidate:
         raise SystemExit(f"--explore needs the fitted-row-tile series (--series {CANDIDATE})")
-    run_versions = EXPLORE if args.explore else CANDIDATE_VERSIONS if candidate else VERSIONS
+    run_versions = (EXPLORE if args.explore else CANDIDATE_VERSIONS if candidate
+                    else CLASS_VERSIONS if kind == "classes" else VERSIONS)  # fmt: skip
     jobs = [] if args.no_main else warm_jobs(run_versions, token_list)
     forces = (1, -1, 2) if candidate else (1, -1)
     jobs += [] if args.no_calibration else calib_jobs(cases.CALIB_M, forces)
@@ -871,7 +909,7 @@ def main() -> None:
     t0 = time.time()
     warm = compile_kernels(data, args.work, jobs, procs, {}) if jobs else []
     if emulations:
-        emu_jobs = warm_jobs(EMU_VERSIONS, EMULATED_TOKENS) + calib_jobs(EMU_CALIB_M, forces)
+        emu_jobs = warm_jobs(emu_versions(kind), EMULATED_TOKENS) + calib_jobs(EMU_CALIB_M, forces)
         warm += compile_kernels(data, args.work, emu_jobs, procs, {"VLLM_H20_NUM_SMS": "78"})
     result["phases"]["deepgemm_jit_s"] = time.time() - t0
     kernels = sorted(p.name for p in (Path(os.environ["TRTLLM_DG_CACHE_DIR"]) / "cache").iterdir())
