@@ -39,6 +39,26 @@ NAMES = {
     "prev_co": "shipped, largest carveout",
     "split_co": "split, largest carveout",
 }
+# The candidate a run measured, by the series kind run.py records (fitted: the fitted-row-tile
+# series, whose runs predate the record): its column names, series folder and title.
+CANDIDATES = {
+    "fitted": {
+        "fix": NAMES["fix"],
+        "fix_again": NAMES["fix_again"],
+        "series": "candidates/fitted-row-tiles",
+        "short": "fitted",
+        "lead": "Fitted tiles",
+        "title": "the shipped per-expert dispatch and the fitted-tile candidate",
+    },
+    "classes": {
+        "fix": "whole-expert tiles (candidate)",
+        "fix_again": "whole-expert tiles again (A/A)",
+        "series": "candidates/whole-expert-tiles",
+        "short": "whole-expert tiles",
+        "lead": "Whole-expert tiles",
+        "title": "the shipped per-expert dispatch and the whole-expert-tile candidate",
+    },
+}
 BALANCED = ("uniform", "zipf", "hot", "eplb", "trained")
 # The seed write-up's H20 fused-op measurements (8 x H20, EP8, average-only fix).
 SEED = (
@@ -68,6 +88,17 @@ def short_of_best(rows: list[dict], v: str) -> list[dict]:
     return [r for r in rows if r["speedups"][v] / max(1.0, r["speedups"]["avg"]) < 0.97]
 
 
+def candidate_of(res: dict) -> dict:
+    """The CANDIDATES entry of a run (run.py's series_kind; older runs: the fitted series)."""
+    return CANDIDATES[res.get("series_kind", "fitted")]
+
+
+def labels(res: dict) -> dict[str, str]:
+    """Column names of a run: NAMES with its candidate's."""
+    c = candidate_of(res)
+    return NAMES | {"fix": c["fix"], "fix_again": c["fix_again"]}
+
+
 def names(rows):
     return ", ".join(f"{r['routing']} {r['tokens']}" for r in rows)
 
@@ -75,9 +106,9 @@ def names(rows):
 # ----------------------------------------------------------------------------- tables
 
 
-def class_table(rows: list[dict], versions: list[str]) -> list[str]:
+def class_table(rows: list[dict], versions: list[str], label: dict = NAMES) -> list[str]:
     out = [
-        "| routing class | tokens | " + " | ".join(NAMES[v] for v in versions) + " |",
+        "| routing class | tokens | " + " | ".join(label[v] for v in versions) + " |",
         "|---|---|" + "---:|" * len(versions),
     ]
     groups = (
@@ -96,10 +127,10 @@ def class_table(rows: list[dict], versions: list[str]) -> list[str]:
     return out
 
 
-def bars_table(rows: list[dict], versions: list[str]) -> list[str]:
+def bars_table(rows: list[dict], versions: list[str], label: dict = NAMES) -> list[str]:
     uni = [r for r in rows if r["routing"] == "uniform" and 128 <= r["tokens"] <= 2048]
     out = [
-        "| bar (issue 26) | " + " | ".join(NAMES[v] for v in versions) + " |",
+        "| bar (issue 26) | " + " | ".join(label[v] for v in versions) + " |",
         "|---|" + "---:|" * len(versions),
     ]
     out.append(
@@ -130,8 +161,8 @@ def bars_table(rows: list[dict], versions: list[str]) -> list[str]:
 def case_table(res: dict, versions: list[str]) -> list[str]:
     out = [
         "| routing | tokens | hottest / mean | most rows, one expert | stock ms | "
-        + " | ".join(NAMES[v] for v in versions)
-        + " | A/A | first run (fitted) | max rel err | check |",
+        + " | ".join(labels(res)[v] for v in versions)
+        + f" | A/A | first run ({candidate_of(res)['short']}) | max rel err | check |",
         "|---|---:|---:|---:|---:|" + "---:|" * len(versions) + "---:|---:|---:|---|",
     ]
     for r in res["ab"]:
@@ -168,6 +199,7 @@ def calib_table(calib: list[dict]) -> list[str]:
 
 
 def emulation_section(emu: dict) -> list[str]:
+    short, lead = candidate_of(emu)["short"], candidate_of(emu)["lead"]
     out = []
     for key, label in (
         ("emulated_78sm", "78-SM tiles and threshold, all 132 SMs' speed"),
@@ -178,24 +210,27 @@ def emulation_section(emu: dict) -> list[str]:
         if not e or not e.get("ab"):
             continue
         rows = e["ab"]
-        short = short_of_best(rows, "fix")
+        below = short_of_best(rows, "fix")
+        prev = "prev" in rows[0]["speedups"]
         out += [
             f"### {label}: `{key}`",
             "",
             f"{len(rows)} cases, grid {e['grid']} CTAs per launch, tiles planned for {e['sms']} "
-            f"SMs. Fitted tiles: {len(rows) - len(misses(rows, 'fix'))} of {len(rows)} cases at "
-            f"or above 0.98x stock (worst {min(r['speedup'] for r in rows):.2f}x); "
-            f"{len(rows) - len(short)} of {len(rows)} within 3 % of max(stock, average-only).",
+            f"SMs. {lead}: {len(rows) - len(misses(rows, 'fix'))} of {len(rows)} "
+            f"cases at or above 0.98x stock (worst {min(r['speedup'] for r in rows):.2f}x); "
+            f"{len(rows) - len(below)} of {len(rows)} within 3 % of max(stock, average-only).",
             "",
-            "| routing | tokens | stock ms | average-only | fitted | "
-            "fitted / max(1, average-only) |",
-            "|---|---:|---:|---:|---:|---:|",
+            "| routing | tokens | stock ms | average-only | "
+            + ("shipped per-expert | " if prev else "")
+            + f"{short} | {short} / max(1, average-only) |",
+            "|---|---:|---:|---:|---:|---:|" + ("---:|" if prev else ""),
         ]
         for r in rows:
             out.append(
                 f"| {r['routing']} | {r['tokens']} | {r['stock_s'] * 1e3:.3f} | "
-                f"{r['speedups']['avg']:.2f}x | {r['speedups']['fix']:.2f}x | "
-                f"{r['vs_best']:.2f} |"
+                f"{r['speedups']['avg']:.2f}x | "
+                + (f"{r['speedups']['prev']:.2f}x | " if prev else "")
+                + f"{r['speedups']['fix']:.2f}x | {r['vs_best']:.2f} |"
             )
         if e.get("calibration"):
             out += [
@@ -458,6 +493,7 @@ def plot(res: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
     from matplotlib.ticker import ScalarFormatter
 
+    label = labels(res)
     routings = [r for r in cases.ALL_ROUTINGS if any(x["routing"] == r for x in res["ab"])]
     fig, axes = plt.subplots(
         2,
@@ -471,7 +507,7 @@ def plot(res: dict, path: Path) -> None:
         t = [r["tokens"] for r in rows]
         for v, style in (("avg", ":"), ("prev", "--"), ("fix", "-"), ("split", "-.")):
             if v in rows[0]["speedups"]:
-                ax.plot(t, [r["speedups"][v] for r in rows], style, marker=".", label=NAMES[v])
+                ax.plot(t, [r["speedups"][v] for r in rows], style, marker=".", label=label[v])
         ax.axhline(1, color="k", lw=0.8)
         ax.axhline(0.98, color="k", lw=0.6, ls=":")
         ax.set_xscale("log", base=2)
@@ -496,13 +532,13 @@ def plot(res: dict, path: Path) -> None:
 def render(folder: Path) -> str:
     res = json.loads((folder / "kernel_h200.json").read_text())
     d = res["device"]
+    cand, label = candidate_of(res), labels(res)
     versions = [v for v in ("avg", "prev", "fix", "split") if v in res["ab"][0]["speedups"]]
     aa_rows = [r for r in res["ab"] if "aa_ratio" in r]
     aa = [abs(r["aa_ratio"] - 1) for r in aa_rows]
     worst_aa = max(aa_rows, key=lambda r: abs(r["aa_ratio"] - 1))
     out = [
-        "# Concentrated routing on one H200: the shipped per-expert dispatch and the fitted-tile "
-        "candidate",
+        f"# Concentrated routing on one H200: {cand['title']}",
         "",
         f"- Device: {d['nvidia_smi']}; {d['sms']} SMs; torch {d['torch']}, CUDA {d['cuda']}; "
         f"DeepGEMM and `fp8_blockscale_gemm.cu` from {d['flashinfer_sources']}.",
@@ -510,11 +546,11 @@ def render(folder: Path) -> str:
         f"copy bandwidth {res['copy_bandwidth_Bps'] / 1e12:.2f} TB/s, FP8 8192^3 GEMM "
         f"{res['fp8_tflops_measured']:.0f} TFLOP/s, measured in the same run.",
         "- Columns: "
-        + "; ".join(f"**{NAMES[v]}** (`{v}`)" for v in ["stock", *versions])
-        + ". The run built `patches/flashinfer/candidates/fitted-row-tiles` as the patched "
+        + "; ".join(f"**{label[v]}** (`{v}`)" for v in ["stock", *versions])
+        + f". The run built `patches/flashinfer/{cand['series']}` as the patched "
         "series (then the shipped one), so `fix` is the candidate and `prev` the shipped plan, "
         "run from the calibration build with the shipped rule (same kernels, same launches). "
-        "Reproduce: `SERIES=candidates/fitted-row-tiles bash benchmarks/moe_dispatch/h200.sh "
+        f"Reproduce: `SERIES={cand['series']} bash benchmarks/moe_dispatch/h200.sh "
         "smoke` (then `wait`, `collect`).",
         f"- Method: FC1 (N 4608, K 5120) + FC2 (N 5120, K 2304) of all 8 EP ranks of "
         "DeepSeek-V4.1-Flash (50 of 400 slots, top-6) on one GPU, CUDA graphs, 5 warm-ups and "
@@ -535,9 +571,9 @@ def render(folder: Path) -> str:
         "",
         "Geometric mean of the speedup over stock (worst case in brackets):",
         "",
-        *class_table(res["ab"], versions),
+        *class_table(res["ab"], versions, label),
         "",
-        *bars_table(res["ab"], versions),
+        *bars_table(res["ab"], versions, label),
         "",
         "## Every case",
         "",
@@ -545,14 +581,17 @@ def render(folder: Path) -> str:
         "",
         "![speedups](kernel_h200.png)",
         "",
-        "## The kernels at forced rows per expert",
-        "",
-        "Every expert m rows, one launch of one kernel, tiles sized for m (fitted: widest tile m "
-        "rounded up to 16, at most 128):",
-        "",
-        *calib_table(res["calibration"]),
-        "",
     ]
+    if res.get("calibration"):
+        out += [
+            "## The kernels at forced rows per expert",
+            "",
+            "Every expert m rows, one launch of one kernel, tiles sized for m (fitted: widest "
+            "tile m rounded up to 16, at most 128):",
+            "",
+            *calib_table(res["calibration"]),
+            "",
+        ]
     emu_file = folder / "emulated_h200.json"
     if emu_file.exists():
         emu = json.loads(emu_file.read_text())
@@ -560,8 +599,16 @@ def render(folder: Path) -> str:
             "## H20 emulations",
             "",
             f"`{emu['command']}` (emulated_h200.json): the calibration build plans tiles and "
-            "the swap threshold for 78 SMs; its launches get 78, 40 or 20 CTAs. Stock, "
-            "average-only and the candidate only.",
+            "the swap threshold for 78 SMs; its launches get 78, 40 or 20 CTAs. "
+            + (
+                "Stock, average-only, the shipped plan and the candidate."
+                if any(
+                    "prev" in e["ab"][0]["speedups"]
+                    for e in emu.values()
+                    if isinstance(e, dict) and e.get("ab")
+                )
+                else "Stock, average-only and the candidate only."
+            ),
             "",
             *emulation_section(emu),
         ]

@@ -41,12 +41,15 @@ def test_calibration_hooks_apply_to_the_patched_sources(tmp_path):
     data = tmp_path / "data"
     shutil.copytree(installed_fi.root / "csrc" / "nv_internal", data / "csrc" / "nv_internal",
                     symlinks=True)  # fmt: skip
-    for series, plan in (("", "plan_row_classes("), (run.CANDIDATE, "plan_launches(")):
+    kinds = (("", "shipped"), (run.CANDIDATE, "fitted"),
+             ("candidates/whole-expert-tiles", "classes"))  # fmt: skip
+    for series, kind in kinds:
         work = tmp_path / (series.replace("/", "-") or "shipped")
         for variant in run.VARIANTS:
             nv = run.prepare_sources(data, work, variant, series)
             text = (nv / run.KERNEL_CUH).read_text()
-            assert (plan in text) is (variant != "stock")
+            assert run.series_kind(text) == (kind if variant != "stock" else "shipped")
+            assert ("plan_row_classes(" in text or "plan_launches(" in text) is (variant != "stock")
             assert ("vllm_h20_single_launch()) {" in text) is (variant == "calib")
             assert ("if (vllm_h20_prev_plan()) {" in text) is (variant == "calib" and bool(series))
             launchers = (nv / run.FP8_GEMM_CUH).read_text()
@@ -94,7 +97,8 @@ def test_concentrated_routings_concentrate_as_described():
 
 def test_warm_jobs_cover_every_version_and_token_count():
     run = _run_py()
-    for versions in (run.VERSIONS, run.CANDIDATE_VERSIONS, run.EXPLORE, run.EMU_VERSIONS):
+    for versions in (run.VERSIONS, run.CANDIDATE_VERSIONS, run.CLASS_VERSIONS, run.EXPLORE,
+                     run.EMU_VERSIONS, run.CLASS_EMU_VERSIONS):  # fmt: skip
         jobs = run.warm_jobs(versions, cases.TOKENS)
         for v in versions:
             for t in cases.TOKENS:
@@ -113,6 +117,21 @@ def test_published_report_is_rendered_from_the_published_json(tmp_path):
         assert (tmp_path / md).read_text() == (RESULTS / md).read_text(), md
     md = (RESULTS / "moe_dispatch_h200.md").read_text()
     assert "every one of the 44 cases is at or above 0.98x stock" in md
+
+
+def test_whole_expert_run_readme_is_rendered_from_its_files(tmp_path):
+    """benchmarks/results/moe_dispatch/whole-expert-tiles-h200/README.md: its notes, then the
+    tables of the final kernel-level run and the emulations, from the folder's JSONs."""
+    src = RESULTS / "moe_dispatch" / "whole-expert-tiles-h200"
+    dst = tmp_path / "run"
+    shutil.copytree(src, dst)
+    (dst / "README.md").unlink()
+    cmd = [sys.executable, str(HERE / "report_run.py"), str(dst), "--no-plot"]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=1200)
+    assert r.returncode == 0, r.stderr
+    text = (dst / "README.md").read_text()
+    assert text == (src / "README.md").read_text()
+    assert "whole-expert tiles (candidate)" in text and "fitted" not in text.split("## ")[1]
 
 
 def test_run_folder_readme_is_rendered_from_its_files(tmp_path):

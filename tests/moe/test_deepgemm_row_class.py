@@ -90,13 +90,13 @@ def generated(overlay_csrc, installed_fi, tmp_path_factory) -> dict[str, str]:
     return out
 
 
-def _compile(source: str, include: Path, tmp_path: Path, name: str):
+def _compile(source: str, include: Path, tmp_path: Path, name: str, *extra: str):
     """DeepGEMM's own nvcc flags (compiler.cuh; vllm_h20.moe.precompile keeps the copy that
-    `kernels precompile` uses) for one generated kernel."""
+    `kernels precompile` uses) for one generated kernel, and `extra` ones."""
     src = tmp_path / f"{name}.cu"
     src.write_text(source)
     cmd = [_nvcc(), str(src), "-o", str(tmp_path / f"{name}.cubin"), *precompile.NVCC_FLAGS,
-           f"-I{include}"]  # fmt: skip
+           *extra, f"-I{include}"]  # fmt: skip
     return subprocess.run(cmd, capture_output=True, text=True, timeout=600)
 
 

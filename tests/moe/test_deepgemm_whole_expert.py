@@ -1,0 +1,147 @@
+"""The whole-expert-tile candidate (patches/flashinfer/candidates/whole-expert-tiles), compiled
+here with nvcc for sm_90a (no GPU needed).
+
+Its row-class kernels find each CTA's first tile with one warp-wide search and wait for the
+other class's launch before their prologue. Where those `griddepcontrol` instructions sat around
+the main loops, ptxas spilled 192 bytes per thread and the kernels ran 3-15 % slower on an H200
+(benchmarks/results/moe_dispatch/whole-expert-tiles-h200, round 1): the compile here checks
+that the kernels the dispatch launches spill nothing, carry their class in their cache name,
+and do not build against FlashInfer's own headers. The plan (plan_row_classes, cut out of the
+patched header) is checked for what the dispatch relies on.
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tests.moe.test_deepgemm_row_class import GEN, KERNEL_CUH, _compile, _nvcc
+from vllm_h20.moe import overlay, precompile
+from vllm_h20.moe.patchfile import read_patch
+
+CANDIDATE = overlay.patches_dir() / "flashinfer" / "candidates" / "whole-expert-tiles"
+# name: generator arguments (swap|regular, min rows, max rows): the launches of a two-class step.
+SOURCES = {"cold": ["swap", "1", "16"], "hot": ["regular", "17", "any"]}
+
+
+@pytest.fixture(scope="module")
+def overlay_csrc(installed_fi, tmp_path_factory) -> Path:
+    patches = [read_patch(p) for p in sorted(CANDIDATE.glob("*.patch"))]
+    a = overlay.assess(installed_fi, patches)
+    assert a.state is overlay.FixState.NEEDS_PATCH, a.detail
+    ov = overlay.build_overlay(
+        installed_fi, a, overlay.overlay_for(installed_fi, patches, tmp_path_factory.mktemp("w"))
+    )
+    return ov.csrc_dir
+
+
+@pytest.fixture(scope="module")
+def generated(overlay_csrc, installed_fi, tmp_path_factory) -> dict[str, str]:
+    nvcc = _nvcc()
+    work = tmp_path_factory.mktemp("gen")
+    (work / "gen.cu").write_text(GEN)
+    flags, common = precompile._host_includes(overlay_csrc, installed_fi.root)
+    cmd = [nvcc, "-std=c++17", "--expt-relaxed-constexpr", *flags, str(work / "gen.cu"),
+           *map(str, common), "-o", str(work / "gen"), "-Xlinker",
+           "--unresolved-symbols=ignore-all"]  # fmt: skip
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = {}
+    for name, args in SOURCES.items():
+        r = subprocess.run([str(work / "gen"), *args], capture_output=True, text=True, timeout=60)
+        assert r.returncode == 0, r.stderr
+        out[name] = r.stdout
+        out[name + "_tag"] = r.stderr.strip()[len("tag") :]
+    return out
+
+
+def test_class_kernels_spill_nothing_and_need_the_overlay(
+    generated, overlay_csrc, installed_fi, tmp_path
+):
+    assert generated["cold_tag"] == "_class1-16" and generated["hot_tag"] == "_class17-any"
+    ours = overlay_csrc / "nv_internal" / "tensorrt_llm"
+    theirs = installed_fi.root / "csrc" / "nv_internal" / "tensorrt_llm"
+    for name in SOURCES:
+        r = _compile(generated[name], ours, tmp_path, name, "-Xptxas", "-v")
+        assert r.returncode == 0, r.stderr[-3000:]
+        report = r.stdout + r.stderr
+        assert "0 bytes spill stores" in report, report[-2000:]
+        assert not re.search(r"[1-9]\d* bytes spill stores", report), report[-2000:]
+        r = _compile(generated[name], theirs, tmp_path, name + "_stock")
+        assert r.returncode != 0
+
+
+PLAN = r"""
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+%s
+int main(int argc, char** argv) {
+  for (int i = 1; i + 3 < argc; i += 4) {
+    uint32_t const busiest = busiest_balanced_rows(std::atoi(argv[i]));
+    RowClassPlan p = plan_row_classes(busiest, std::atoi(argv[i + 1]), std::atoi(argv[i + 2]),
+                                      ridge_rows(std::atoi(argv[i + 3])));
+    std::printf("%%u %%u %%u %%u\n", busiest, p.cold_m, p.boundary, p.hot_m);
+  }
+}
+"""
+
+
+@pytest.fixture(scope="module")
+def cpp_plan(tmp_path_factory):
+    """The candidate's plan functions, cut out of its patched header and compiled alone."""
+    (p2,) = [read_patch(p) for p in sorted(CANDIDATE.glob("0002-*.patch"))]
+    (diff,) = [d for d in p2.files if d.path.endswith(KERNEL_CUH.split("/")[-1])]
+    # The hunks' new side holds the functions whole: rebuild them from the added lines.
+    text = "\n".join(line for h in diff.hunks for line in h.new)
+    start = text.index("struct RowClassPlan {")
+    end = text.index("void grouped_gemm_dispatch(")
+    work = tmp_path_factory.mktemp("plan")
+    src = work / "plan.cpp"
+    src.write_text(PLAN % text[start:end])
+    cxx = shutil.which("g++") or shutil.which("c++")
+    if cxx is None:
+        pytest.skip("no C++ compiler")
+    r = subprocess.run([cxx, "-std=c++17", "-O1", str(src), "-o", str(work / "plan")],
+                       capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert r.returncode == 0, r.stderr
+
+    def run(expected_m: int, tile: int, max_m: int, sms: int) -> tuple[int, ...]:
+        args = [str(x) for x in (expected_m, tile, max_m, sms)]
+        out = subprocess.run([str(work / "plan"), *args], capture_output=True, text=True)
+        return tuple(map(int, out.stdout.split()))
+
+    return run
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    expected_m=st.integers(1, 2048),
+    tile=st.sampled_from(range(16, 129, 8)),
+    max_m=st.integers(1, 65536),
+    sms=st.sampled_from([78, 132]),
+)
+def test_no_expert_above_its_passes_runs_swap_ab(cpp_plan, expected_m, tile, max_m, sms):
+    busiest, cold_m, boundary, hot_m = cpp_plan(expected_m, tile, max_m, sms)
+    assert busiest >= expected_m and hot_m == max_m
+    if max_m <= tile:  # one launch: every expert fits one tile sized for the most rows
+        assert cold_m == boundary == max_m
+        return
+    # Two launches: the swap-A/B class ends after a whole number of tiles (one on the 132-SM
+    # parts; on H20 as many as cost less than one regular tile), at most 128 rows.
+    whole = boundary % tile == 0 or boundary == 128
+    assert boundary == tile or (tile < boundary <= 128 and whole)
+    if sms == 132:
+        assert boundary == tile
+    else:
+        passes = max(1, int(max(1.0, (64 if max_m <= 64 else 128) / 37) / max(1.0, tile / 37)))
+        assert boundary == min(128, tile * passes)
+    assert 1 <= cold_m <= boundary
