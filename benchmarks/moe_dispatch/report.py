@@ -265,6 +265,33 @@ def h20_model(res: dict) -> tuple[list[str], dict]:
         p: dataclasses.replace(f, tc=0.85 * h20.fp8_tflops * 1e12) for p, f in h20_fits.items()
     }
     lines += [
+        *_assumptions(res, fits, h200_peak_bw, fp8_peak),
+        "",
+        "## Predictions for the seed's cases (H20, EP8, 50 local experts, top-6)",
+        "",
+        "| case | stock ms (pred.) | average-only ms (pred.) | per-expert ms (pred.) | "
+        "average-only | per-expert | per-expert if H20 reaches 85 % of its FP8 peak | "
+        "seed measured on H20 (average-only fix) |",
+        "|---|---:|---:|---:|---:|---:|---:|---|",
+    ]
+    preds = {}
+    for routing, tokens, seed in SEED_H20_CASES:
+        t = _slowest(h20_fits, routing, tokens, h20.sms)
+        hi = _slowest(h20_hi, routing, tokens, h20.sms)
+        preds[f"{routing}-{tokens}"] = t
+        lines.append(
+            f"| {routing} {tokens} tokens | {ms(t['stock'])} | {ms(t['fixed'])} | "
+            f"{ms(t['split'])} | {t['stock'] / t['fixed']:.2f}x | {t['stock'] / t['split']:.2f}x "
+            f"| {hi['stock'] / hi['split']:.2f}x | {seed} |"
+        )
+    lines += _checks(res, fits, sms, preds.get("uniform-288"))
+    return lines, {"fits": {p: vars(f) for p, f in fits.items()}, "h20": preds}
+
+
+def _assumptions(res: dict, fits: dict, h200_peak_bw: float, fp8_peak: float) -> list[str]:
+    """How the H200 fits are carried to H20: which rates scale, and what is not modelled."""
+    h20 = model.H20
+    return [
         "",
         "## Carried to H20 (assumptions)",
         "",
@@ -287,26 +314,7 @@ def h20_model(res: dict) -> tuple[list[str], dict]:
         "other "
         "kernels (permute, activation, finalize), which the seed's operator times include and "
         "ours do not.",
-        "",
-        "## Predictions for the seed's cases (H20, EP8, 50 local experts, top-6)",
-        "",
-        "| case | stock ms (pred.) | average-only ms (pred.) | per-expert ms (pred.) | "
-        "average-only | per-expert | per-expert if H20 reaches 85 % of its FP8 peak | "
-        "seed measured on H20 (average-only fix) |",
-        "|---|---:|---:|---:|---:|---:|---:|---|",
     ]
-    preds = {}
-    for routing, tokens, seed in SEED_H20_CASES:
-        t = _slowest(h20_fits, routing, tokens, h20.sms)
-        hi = _slowest(h20_hi, routing, tokens, h20.sms)
-        preds[f"{routing}-{tokens}"] = t
-        lines.append(
-            f"| {routing} {tokens} tokens | {ms(t['stock'])} | {ms(t['fixed'])} | "
-            f"{ms(t['split'])} | {t['stock'] / t['fixed']:.2f}x | {t['stock'] / t['split']:.2f}x "
-            f"| {hi['stock'] / hi['split']:.2f}x | {seed} |"
-        )
-    lines += _checks(res, fits, sms, preds.get("uniform-288"))
-    return lines, {"fits": {p: vars(f) for p, f in fits.items()}, "h20": preds}
 
 
 def _checks(res: dict, fits: dict, sms: int, u288: dict | None) -> list[str]:

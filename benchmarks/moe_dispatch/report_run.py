@@ -409,8 +409,13 @@ def model_section(res: dict, folder: Path) -> list[str]:
             f"| {routing} {tokens} | {s * 1e3:.3f} | {x * 1e3:.3f} | {s / x:.2f}x | "
             f"{seed:.2f}x{tag} | {100 * (s / x / seed - 1):+.0f} % |"
         )
-    out += [
-        "",
+    out += ["", *h20_cases(res, h20, overhead), "", *ep16_section(h20, overhead)]
+    return out
+
+
+def h20_cases(res: dict, h20: dict, overhead: float) -> list[str]:
+    """Every case of the run on the H20 model: each plan's speedup, the ones short of the best."""
+    out = [
         "### Predicted on H20 (EP8, 50 local experts, fused op), every case",
         "",
         "Speedup over stock of each plan, and in bold where a plan is more than 2 % below "
@@ -448,7 +453,6 @@ def model_section(res: dict, folder: Path) -> list[str]:
         "fitted share r, the fitted kernel's per-SM overhead that the compute-matched emulations "
         "show (it is fitted at 132 SMs, where it barely shows).",
     ]
-    out += ["", *ep16_section(h20, overhead)]
     return out
 
 
@@ -529,15 +533,14 @@ def plot(res: dict, path: Path) -> None:
 # ----------------------------------------------------------------------------- main
 
 
-def render(folder: Path) -> str:
-    res = json.loads((folder / "kernel_h200.json").read_text())
+def _header(res: dict, versions: list[str]) -> list[str]:
+    """The run's title, device, command, columns, method and routings."""
     d = res["device"]
     cand, label = candidate_of(res), labels(res)
-    versions = [v for v in ("avg", "prev", "fix", "split") if v in res["ab"][0]["speedups"]]
     aa_rows = [r for r in res["ab"] if "aa_ratio" in r]
     aa = [abs(r["aa_ratio"] - 1) for r in aa_rows]
     worst_aa = max(aa_rows, key=lambda r: abs(r["aa_ratio"] - 1))
-    out = [
+    return [
         f"# Concentrated routing on one H200: {cand['title']}",
         "",
         f"- Device: {d['nvidia_smi']}; {d['sms']} SMs; torch {d['torch']}, CUDA {d['cuda']}; "
@@ -567,6 +570,15 @@ def render(folder: Path) -> str:
         "pool8 / pool16 (top-6 from a hot pool), zipf2 (s=2), trained (slot popularity drawn "
         "from the expert loads of DeepSeek's EPLB README example).",
         "",
+    ]
+
+
+def render(folder: Path) -> str:
+    res = json.loads((folder / "kernel_h200.json").read_text())
+    label = labels(res)
+    versions = [v for v in ("avg", "prev", "fix", "split") if v in res["ab"][0]["speedups"]]
+    out = [
+        *_header(res, versions),
         "## Summary",
         "",
         "Geometric mean of the speedup over stock (worst case in brackets):",

@@ -81,8 +81,19 @@ def _short(name: str) -> str:
 
 def summary(root: Path, reports: dict[str, Path], title: str = TITLE) -> str:
     chk = root / "check"
-    lines = [f"# {title}", ""]
     logs = {n: root / "logs" / f"{n}.log" for n in SERVERS}
+    lines = [f"# {title}", ""]
+    lines += _loaded(logs)
+    lines += _profiles(chk, logs)
+    lines += _correctness(chk)
+    lines += _routing(chk)
+    lines += _sweeps(reports)
+    return "\n".join(lines) + "\n"
+
+
+def _loaded(logs: dict[str, Path]) -> list[str]:
+    """What each server's log says it loaded: the plugin's lines and the MoE backend."""
+    lines: list[str] = []
     lines += ["## What each server loaded (its own log lines)", ""]
     for n, p in logs.items():
         if not p.exists():
@@ -99,6 +110,12 @@ def summary(root: Path, reports: dict[str, Path], title: str = TITLE) -> str:
             lines.append("  - the plugin is loaded, but this MoE backend never calls FlashInfer's "
                          "fused MoE: neither dispatch applies")  # fmt: skip
     lines.append("")
+    return lines
+
+
+def _profiles(chk: Path, logs: dict[str, Path]) -> list[str]:
+    """GPU time per decode step by kernel class, and the MoE GEMM kernels, per server."""
+    lines: list[str] = []
     order = ("stock", "fix", "triton", "deepgemm", "v4hum", "v4stock", "v4fix")  # baseline first
     found = [n for n in order if (chk / f"profile_{n}.json").exists()]
     profs = {n: json.loads((chk / f"profile_{n}.json").read_text()) for n in found}
@@ -128,6 +145,12 @@ def summary(root: Path, reports: dict[str, Path], title: str = TITLE) -> str:
                 lines.append(f"- {n}: {k['calls']}x, {k['total_us'] / k['calls']:.1f} us per "
                              f"call: `{_short(k['name'])}`")  # fmt: skip
         lines.append("")
+    return lines
+
+
+def _correctness(chk: Path) -> list[str]:
+    """Greedy outputs and first-token logprobs of each compared pair of servers."""
+    lines: list[str] = []
     # compare.json: round 2's single pair; compare_A-B.json: one per pair since round 3.
     for cp in sorted(chk.glob("compare*.json")):
         c = json.loads(cp.read_text())
@@ -152,6 +175,12 @@ def summary(root: Path, reports: dict[str, Path], title: str = TITLE) -> str:
                 "not that the two paths agree on a model with real logits."
             )
         lines.append("")
+    return lines
+
+
+def _routing(chk: Path) -> list[str]:
+    """Routed rows per step and per expert, from vLLM's routed-experts capture."""
+    lines: list[str] = []
     for rt in sorted(chk.glob("routing_*.json")):
         r = json.loads(rt.read_text())
         who = "" if rt.stem == "routing_fix" else f", {rt.stem.removeprefix('routing_')}"
@@ -172,12 +201,17 @@ def summary(root: Path, reports: dict[str, Path], title: str = TITLE) -> str:
                 cells = " ".join(f"{k}:{hist[k]}" for k in sorted(hist))
                 lines.append(f"- c{t['concurrency']} layer {layer}: {cells}")
         lines.append("")
+    return lines
+
+
+def _sweeps(reports: dict[str, Path]) -> list[str]:
+    lines: list[str] = []
     for name, rep in reports.items():
         head = (rep / "report.md").read_text().split("## Latency")[0]
         table = "\n".join(x for x in head.splitlines() if x.startswith("|"))
         lines += [f"## {name} sweep ([report]({rep.name}/report.md))", "", table, "",
                   f"![{name} throughput]({rep.name}/throughput.png)", ""]  # fmt: skip
-    return "\n".join(lines) + "\n"
+    return lines
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -138,7 +138,6 @@ def markdown(s: Sweeps, names: list[str], cs: dict[str, dict[int, Cell]], compar
     spec = s.spec
     unit = f"{spec['throughput']} tok/s"
     tiers = sorted({c for per in cs.values() for c in per})
-    base = names[0]
     src = "the servers' Prometheus token counters" if s.source == "server" else "GuideLLM"
     lines = [
         f"# {spec['name']} sweep",
@@ -149,11 +148,42 @@ def markdown(s: Sweeps, names: list[str], cs: dict[str, dict[int, Cell]], compar
         f"Throughput ({unit}) from {src} over each measurement window; values are the "
         f"mean ± sample std over runs.",
         "",
+        *_throughput_table(names, cs, tiers, unit, compare),
+        "",
+        "## Latency (GuideLLM, successful requests, mean of the runs' percentiles)",
+        "",
+        *_latency_table(names, cs, tiers),
+        "",
+        "## Run health and cross-check",
+        "",
+        *_health_table(names, cs, tiers, unit),
     ]
+    notes = _notes(s, names, cs, tiers)
+    if notes:
+        lines += ["", "## Notes", ""] + [f"- {n}" for n in notes]
+    lines += [
+        "",
+        "## Targets",
+        "",
+        "| Target | Model | URL | Sweep directory |",
+        "|---|---|---|---|",
+    ]
+    for n in names:
+        t = s.targets[n]
+        lines.append(f"| {n} | {t['model']} | {t['url']} | {t['dir']} |")
+    lines += ["", f"Tokenizer: {s.tokenizer['path']} (fingerprint {s.tokenizer['fingerprint']})."]
+    return "\n".join(lines) + "\n"
+
+
+def _throughput_table(
+    names: list[str], cs: dict[str, dict[int, Cell]], tiers: list[int], unit: str, compare: bool
+) -> list[str]:
+    """Throughput per tier and target; with compare, each target's change against the first."""
+    base = names[0]
     head = ["Concurrency"] + [f"{n} {unit}" for n in names]
     if compare:
         head += [f"{n} vs {base}" for n in names[1:]]
-    lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for c in tiers:
         row = [str(c)] + [_fmt(cs.get(n, {}).get(c) and cs[n][c].throughput) for n in names]
         if compare:
@@ -164,10 +194,11 @@ def markdown(s: Sweeps, names: list[str], cs: dict[str, dict[int, Cell]], compar
                     _pct(change_pct(b.throughput.mean, x.throughput.mean)) if b and x else "—"
                 )
         lines.append("| " + " | ".join(row) + " |")
-    lines += [
-        "",
-        "## Latency (GuideLLM, successful requests, mean of the runs' percentiles)",
-        "",
+    return lines
+
+
+def _latency_table(names: list[str], cs: dict[str, dict[int, Cell]], tiers: list[int]) -> list[str]:
+    lines = [
         "| Concurrency | Target | TTFT p50 ms | TTFT p99 ms | ITL p50 ms | ITL p99 ms |",
         "|---|---|---|---|---|---|",
     ]
@@ -181,10 +212,14 @@ def markdown(s: Sweeps, names: list[str], cs: dict[str, dict[int, Cell]], compar
                     + " | ".join("—" if v is None else f"{v:,.1f}" for v in f)
                     + " |"
                 )
-    lines += [
-        "",
-        "## Run health and cross-check",
-        "",
+    return lines
+
+
+def _health_table(
+    names: list[str], cs: dict[str, dict[int, Cell]], tiers: list[int], unit: str
+) -> list[str]:
+    """Each cell's runs, GuideLLM's own figure beside the counters', errors, cache hits."""
+    lines = [
         f"| Concurrency | Target | Runs | {unit} per run | GuideLLM {unit} | Prompt tokens "
         "per request | Errored | Incomplete | Prefix-cache hits |",
         "|---|---|---|---|---|---|---|---|---|",
@@ -201,6 +236,14 @@ def markdown(s: Sweeps, names: list[str], cs: dict[str, dict[int, Cell]], compar
                     f"| {c} | {n} | {x.throughput.n} | {per} | {gl} | {pt} | {x.errored} | "
                     f"{x.incomplete} | {hits} |"
                 )
+    return lines
+
+
+def _notes(
+    s: Sweeps, names: list[str], cs: dict[str, dict[int, Cell]], tiers: list[int]
+) -> list[str]:
+    """What a reader must know before trusting a cell: errors, cache hits, missing runs."""
+    spec = s.spec
     notes = []
     bad = [(n, c) for n in names for c, x in cs.get(n, {}).items() if x.errored]
     if bad:
@@ -224,20 +267,7 @@ def markdown(s: Sweeps, names: list[str], cs: dict[str, dict[int, Cell]], compar
         notes.append(
             f"Failed run {r['target']} c{r['concurrency']} run {r['run'] + 1}: {r['error']}"
         )
-    if notes:
-        lines += ["", "## Notes", ""] + [f"- {n}" for n in notes]
-    lines += [
-        "",
-        "## Targets",
-        "",
-        "| Target | Model | URL | Sweep directory |",
-        "|---|---|---|---|",
-    ]
-    for n in names:
-        t = s.targets[n]
-        lines.append(f"| {n} | {t['model']} | {t['url']} | {t['dir']} |")
-    lines += ["", f"Tokenizer: {s.tokenizer['path']} (fingerprint {s.tokenizer['fingerprint']})."]
-    return "\n".join(lines) + "\n"
+    return notes
 
 
 def _rows(names: list[str], cs: dict[str, dict[int, Cell]], unit: str) -> list[dict[str, Any]]:
@@ -267,10 +297,16 @@ def _rows(names: list[str], cs: dict[str, dict[int, Cell]], unit: str) -> list[d
 
 def plots(out: Path, s: Sweeps, names: list[str], cs: dict[str, dict[int, Cell]]) -> list[Path]:
     import matplotlib
-    import matplotlib.ticker
 
     matplotlib.use("Agg")
+    return [_throughput_plot(out, s, names, cs), _latency_plot(out, s, names, cs)]
+
+
+def _throughput_plot(
+    out: Path, s: Sweeps, names: list[str], cs: dict[str, dict[int, Cell]]
+) -> Path:
     import matplotlib.pyplot as plt
+    import matplotlib.ticker
 
     unit = f"{s.spec['throughput']} tok/s"
     fig, ax = plt.subplots(figsize=(7, 4.2), dpi=150)
@@ -291,38 +327,48 @@ def plots(out: Path, s: Sweeps, names: list[str], cs: dict[str, dict[int, Cell]]
     ax.set_ylabel(unit)
     ax.set_ylim(bottom=0)
     if len(names) > 1:
-        # Each candidate's change vs the baseline, one line per candidate in a block above each
-        # tier (in its colour), with head-room so no label touches a point or another label.
-        line = 0.05
-        top = max((cell.throughput.mean or 0) + (cell.throughput.std or 0)
-                  for n in names for cell in cs.get(n, {}).values())  # fmt: skip
-        ax.set_ylim(0, top / (1 - 0.04 - line * len(names)) if top else 1)
-        tiers = sorted({c for n in names for c in cs.get(n, {})})
-        # The outer tiers' blocks lean inwards, clear of the axis labels.
-        align = {c: "left" if c == tiers[0] else "right" if c == tiers[-1] else "center"
-                 for c in tiers}  # fmt: skip
-        if len(tiers) == 1:
-            align[tiers[0]] = "center"
-        base = cs.get(names[0], {})
-        for c in tiers:
-            ax.text(c, 0.98, f"vs {names[0]}:", ha=align[c], va="top", fontsize=7, color="0.4",
-                    transform=ax.get_xaxis_transform())  # fmt: skip
-        for i, n in enumerate(names[1:], start=1):
-            for c, cell in cs.get(n, {}).items():
-                b = base.get(c)
-                if b is None or not b.throughput.mean or cell.throughput.mean is None:
-                    continue
-                change = cell.throughput.mean / b.throughput.mean - 1
-                ax.text(c, 0.98 - line * i, f"{n} {_pct(100 * change)}", ha=align[c],
-                        va="top", fontsize=7, color=f"C{i}",
-                        transform=ax.get_xaxis_transform())  # fmt: skip
+        _change_labels(ax, names, cs)
     ax.set_title(f"{s.spec['name']}: {unit} vs concurrency (mean ± sample std)")
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
-    p1 = out / "throughput.png"
-    fig.savefig(p1)
+    path = out / "throughput.png"
+    fig.savefig(path)
     plt.close(fig)
+    return path
+
+
+def _change_labels(ax, names: list[str], cs: dict[str, dict[int, Cell]]) -> None:
+    """Each candidate's change vs the baseline, one line per candidate in a block above each
+    tier (in its colour), with head-room so no label touches a point or another label."""
+    line = 0.05
+    top = max((cell.throughput.mean or 0) + (cell.throughput.std or 0)
+              for n in names for cell in cs.get(n, {}).values())  # fmt: skip
+    ax.set_ylim(0, top / (1 - 0.04 - line * len(names)) if top else 1)
+    tiers = sorted({c for n in names for c in cs.get(n, {})})
+    # The outer tiers' blocks lean inwards, clear of the axis labels.
+    align = {c: "left" if c == tiers[0] else "right" if c == tiers[-1] else "center"
+             for c in tiers}  # fmt: skip
+    if len(tiers) == 1:
+        align[tiers[0]] = "center"
+    base = cs.get(names[0], {})
+    for c in tiers:
+        ax.text(c, 0.98, f"vs {names[0]}:", ha=align[c], va="top", fontsize=7, color="0.4",
+                transform=ax.get_xaxis_transform())  # fmt: skip
+    for i, n in enumerate(names[1:], start=1):
+        for c, cell in cs.get(n, {}).items():
+            b = base.get(c)
+            if b is None or not b.throughput.mean or cell.throughput.mean is None:
+                continue
+            change = cell.throughput.mean / b.throughput.mean - 1
+            ax.text(c, 0.98 - line * i, f"{n} {_pct(100 * change)}", ha=align[c],
+                    va="top", fontsize=7, color=f"C{i}",
+                    transform=ax.get_xaxis_transform())  # fmt: skip
+
+
+def _latency_plot(out: Path, s: Sweeps, names: list[str], cs: dict[str, dict[int, Cell]]) -> Path:
+    import matplotlib.pyplot as plt
+    import matplotlib.ticker
 
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2), dpi=150)
     for ax, key, title in ((axes[0], "ttft_ms", "TTFT"), (axes[1], "itl_ms", "ITL")):
@@ -354,10 +400,10 @@ def plots(out: Path, s: Sweeps, names: list[str], cs: dict[str, dict[int, Cell]]
         else:
             ax.text(0.5, 0.5, "no data", transform=ax.transAxes, ha="center", color="0.5")
     fig.tight_layout()
-    p2 = out / "latency.png"
-    fig.savefig(p2)
+    path = out / "latency.png"
+    fig.savefig(path)
     plt.close(fig)
-    return [p1, p2]
+    return path
 
 
 def write(dirs: list[Path], out: Path, baseline: str | None) -> list[Path]:

@@ -267,28 +267,36 @@ def measure(
         return done(f"{last} (log: {log})")
     if code != 0 or not raw.is_file():
         return done(f"GuideLLM exited with code {code}: {last} (log: {log})")
+    return done(_results(rec, raw, rec_ctx, spec))
+
+
+def _results(
+    rec: dict[str, Any], raw: Path, recorder: counters.Recorder | None, spec: SweepSpec
+) -> str | None:
+    """Fill a finished run's record from GuideLLM's report (gzipped once read) and, with a
+    recorder, the servers' counters over GuideLLM's window; the error when it is unusable."""
     try:
         gl = summarize(raw)
     except Exception as e:  # GuideLLM's own loader: any failure means an unusable report
-        return done(f"cannot read GuideLLM's report {raw}: {e}")
+        return f"cannot read GuideLLM's report {raw}: {e}"
     _gzip(raw)
     rec["guidellm"] = gl
     req = gl["requests"]
     if not req["successful"]:
         first = "; ".join(gl["errors"]) or "no request finished"
-        return done(f"no successful request ({req['errored']} errored): {first}")
+        return f"no successful request ({req['errored']} errored): {first}"
     w0, w1 = gl["window"]["start"], gl["window"]["end"]
     rec["window_s"] = w1 - w0
-    if rec_ctx is not None:
-        try:
-            rec["server"] = _server_window(rec_ctx, w0, w1)
-        except counters.CountersError as e:
-            extra = f" (scrape errors: {rec_ctx.errors[0]})" if rec_ctx.errors else ""
-            return done(f"server counters: {e}{extra}")
-        rec["throughput"] = rec["server"][f"{spec.throughput}_tok_s"]
-    else:
+    if recorder is None:
         rec["throughput"] = gl[f"{spec.throughput}_tok_s"]
-    return done(None)
+        return None
+    try:
+        rec["server"] = _server_window(recorder, w0, w1)
+    except counters.CountersError as e:
+        extra = f" (scrape errors: {recorder.errors[0]})" if recorder.errors else ""
+        return f"server counters: {e}{extra}"
+    rec["throughput"] = rec["server"][f"{spec.throughput}_tok_s"]
+    return None
 
 
 @dataclass

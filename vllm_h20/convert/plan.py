@@ -152,45 +152,9 @@ def make_plan(src: Path, rules: RuleSet, keep_unmatched: bool = False) -> Plan:
     config = load_config(src, rules.config.model_types)
     index, shard_names = _read_index(src)
     headers = {s: read_header(src / s) for s in shard_names}
-    where: dict[str, str] = {}
-    for s, h in headers.items():
-        for name in h.tensors:
-            if name in where:
-                raise PlanError(f"tensor {name!r} appears in both {where[name]} and {s}")
-            where[name] = s
-    if index:
-        missing = sorted(set(index) - set(where))
-        if missing:
-            raise PlanError(
-                f"{src / INDEX}: {len(missing)} indexed tensor(s) not in their shard, e.g. "
-                f"{missing[0]!r} in {index[missing[0]]}; the shard is incomplete"
-            )
-        extra = sorted(set(where) - set(index))
-        if extra:
-            raise PlanError(
-                f"{src / INDEX}: tensor {extra[0]!r} in {where[extra[0]]} is not indexed"
-            )
-
+    where = _locate(src, index, headers)
     info = {n: headers[s].tensors[n] for n, s in where.items()}
-    decided: dict[str, tuple[Rule | None, str | None]] = {}  # name -> (rule, scale name)
-    consumed: dict[str, str] = {}  # scale -> weight
-    for name, t in info.items():
-        if name in consumed:
-            continue
-        rule = rules.first_match(name, t.dtype)
-        if rule is None:
-            continue
-        sname = rule.scale_name(name)
-        if rule.op != "keep" or (sname and sname in info):
-            if sname is None or sname not in info:
-                raise PlanError(
-                    f"weight {name!r} ({where[name]}) has no scale {sname!r}; the checkpoint is "
-                    "incomplete (re-download the shard)"
-                )
-            if sname in decided:
-                del decided[sname]
-            consumed[sname] = name
-        decided[name] = (rule, sname if sname in consumed else None)
+    decided, consumed = _decide(rules, info, where)
 
     unmatched = sorted(n for n in info if n not in decided and n not in consumed)
     if unmatched and not keep_unmatched:
@@ -227,3 +191,54 @@ def make_plan(src: Path, rules: RuleSet, keep_unmatched: bool = False) -> Plan:
         and ".vllm-h20" not in p.parts
     )
     return Plan(src, config, headers, where, list(out.values()), others, unmatched)
+
+
+def _locate(src: Path, index: dict[str, str], headers: dict) -> dict[str, str]:
+    """Which shard holds each tensor; refuses a tensor in two shards and, with an index, an
+    indexed tensor missing from its shard or a stored one the index does not name."""
+    where: dict[str, str] = {}
+    for s, h in headers.items():
+        for name in h.tensors:
+            if name in where:
+                raise PlanError(f"tensor {name!r} appears in both {where[name]} and {s}")
+            where[name] = s
+    if index:
+        missing = sorted(set(index) - set(where))
+        if missing:
+            raise PlanError(
+                f"{src / INDEX}: {len(missing)} indexed tensor(s) not in their shard, e.g. "
+                f"{missing[0]!r} in {index[missing[0]]}; the shard is incomplete"
+            )
+        extra = sorted(set(where) - set(index))
+        if extra:
+            raise PlanError(
+                f"{src / INDEX}: tensor {extra[0]!r} in {where[extra[0]]} is not indexed"
+            )
+    return where
+
+
+def _decide(
+    rules: RuleSet, info: dict, where: dict[str, str]
+) -> tuple[dict[str, tuple[Rule | None, str | None]], dict[str, str]]:
+    """The first matching rule of each tensor, and which scales their weights consume
+    (a converted weight without its scale is refused)."""
+    decided: dict[str, tuple[Rule | None, str | None]] = {}  # name -> (rule, scale name)
+    consumed: dict[str, str] = {}  # scale -> weight
+    for name, t in info.items():
+        if name in consumed:
+            continue
+        rule = rules.first_match(name, t.dtype)
+        if rule is None:
+            continue
+        sname = rule.scale_name(name)
+        if rule.op != "keep" or (sname and sname in info):
+            if sname is None or sname not in info:
+                raise PlanError(
+                    f"weight {name!r} ({where[name]}) has no scale {sname!r}; the checkpoint is "
+                    "incomplete (re-download the shard)"
+                )
+            if sname in decided:
+                del decided[sname]
+            consumed[sname] = name
+        decided[name] = (rule, sname if sname in consumed else None)
+    return decided, consumed

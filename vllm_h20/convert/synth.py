@@ -147,51 +147,7 @@ def _config(shape: ModelShape, layout: str) -> dict:
         "torch_dtype": "bfloat16",
     }
     if layout == "v4":
-        # vLLM's DeepseekV4Config has no defaults: every key its model reads is here.
-        return {
-            "architectures": ["DeepseekV4ForCausalLM"],
-            "model_type": "deepseek_v4",
-            **{k: v for k, v in text.items() if k != "engram_layer_ids"},
-            "num_key_value_heads": 1,
-            "num_hash_layers": shape.hash_layers,
-            "compress_ratios": v4_compress_ratios(shape),
-            "sliding_window": shape.sliding_window,
-            "index_topk": shape.index_topk,
-            "hc_eps": 1e-6,
-            "hc_sinkhorn_iters": 20,
-            "scoring_func": "sqrtsoftplus",
-            "topk_method": "noaux_tc",
-            "norm_topk_prob": True,
-            "routed_scaling_factor": 1.5,
-            "hidden_act": "silu",
-            "swiglu_limit": 10.0,
-            "max_position_embeddings": 65536,
-            "rope_theta": 10000.0,
-            "compress_rope_theta": 160000.0,
-            # YaRN, as V4 is released: vLLM 0.26's V4 kernels take their cos/sin cache in
-            # float32, which only its DeepSeek-YaRN rope builds ("default" gives a BF16 cache
-            # and fails `assert cos_sin_cache.dtype == torch.float32` on the first forward).
-            "rope_scaling": {
-                "type": "yarn",
-                "rope_type": "yarn",
-                "factor": 16,
-                "original_max_position_embeddings": 4096,
-                "beta_fast": 32,
-                "beta_slow": 1,
-                "rope_theta": 10000.0,
-            },
-            "bos_token_id": 0,
-            "eos_token_id": 1,
-            "tie_word_embeddings": False,
-            "expert_dtype": "fp4",
-            "quantization_config": {
-                "quant_method": "fp8",
-                "activation_scheme": "dynamic",
-                "fmt": "e4m3",
-                "scale_fmt": "ue8m0",
-                "weight_block_size": [128, 128],
-            },
-        }
+        return _v4_config(shape, text)
     return {
         "architectures": ["DeepseekV41ForCausalLM"],
         "model_type": "deepseek_v41",
@@ -207,6 +163,55 @@ def _config(shape: ModelShape, layout: str) -> dict:
             "scale_fmt": "ue8m0",
             "weight_block_size": [32, 32],
             "expert_dtype": "fp4",
+        },
+    }
+
+
+def _v4_config(shape: ModelShape, text: dict) -> dict:
+    """config.json of the V4 layout: vLLM's DeepseekV4Config has no defaults, so every key its
+    model reads is here."""
+    return {
+        "architectures": ["DeepseekV4ForCausalLM"],
+        "model_type": "deepseek_v4",
+        **{k: v for k, v in text.items() if k != "engram_layer_ids"},
+        "num_key_value_heads": 1,
+        "num_hash_layers": shape.hash_layers,
+        "compress_ratios": v4_compress_ratios(shape),
+        "sliding_window": shape.sliding_window,
+        "index_topk": shape.index_topk,
+        "hc_eps": 1e-6,
+        "hc_sinkhorn_iters": 20,
+        "scoring_func": "sqrtsoftplus",
+        "topk_method": "noaux_tc",
+        "norm_topk_prob": True,
+        "routed_scaling_factor": 1.5,
+        "hidden_act": "silu",
+        "swiglu_limit": 10.0,
+        "max_position_embeddings": 65536,
+        "rope_theta": 10000.0,
+        "compress_rope_theta": 160000.0,
+        # YaRN, as V4 is released: vLLM 0.26's V4 kernels take their cos/sin cache in
+        # float32, which only its DeepSeek-YaRN rope builds ("default" gives a BF16 cache
+        # and fails `assert cos_sin_cache.dtype == torch.float32` on the first forward).
+        "rope_scaling": {
+            "type": "yarn",
+            "rope_type": "yarn",
+            "factor": 16,
+            "original_max_position_embeddings": 4096,
+            "beta_fast": 32,
+            "beta_slow": 1,
+            "rope_theta": 10000.0,
+        },
+        "bos_token_id": 0,
+        "eos_token_id": 1,
+        "tie_word_embeddings": False,
+        "expert_dtype": "fp4",
+        "quantization_config": {
+            "quant_method": "fp8",
+            "activation_scheme": "dynamic",
+            "fmt": "e4m3",
+            "scale_fmt": "ue8m0",
+            "weight_block_size": [128, 128],
         },
     }
 
