@@ -90,8 +90,6 @@ SMS_HOOK = (SMS_LINE, "static int kNumDeviceSMs = vllm_h20_num_sms_override();")
 # The shipped series (row classes, plan_row_classes): one launch from expected_m (the average-only
 # fix), forced branches, the SM count.
 SHIPPED_HOOKS = (SINGLE_LAUNCH_HOOK, FORCE_BRANCH_HOOK, SMS_HOOK)
-# The fitted-row-tile candidate (plan_launches): those, a forced fitted launch, the previous plan
-# (the shipped series' rule, run from this build's row classes) and a split.
 # The shipped series' plan, run from a later series' row-class launches (the calibration build's
 # rule mode 3).
 PREV_PLAN = (
@@ -108,6 +106,8 @@ PREV_PLAN = (
     "    return;\n"
     "  }\n"
 )  # fmt: skip
+# The fitted-row-tile candidate (plan_launches): those, a forced fitted launch, the previous plan
+# (the shipped series' rule, run from this build's row classes) and a split.
 FITTED_HOOKS = (
     (SINGLE_LAUNCH_HOOK[0],
      SINGLE_LAUNCH_HOOK[1] + "\n"
