@@ -86,6 +86,54 @@ def dir_bytes(p: Path) -> int:
     return sum(f.stat().st_size for f in p.rglob("*") if f.is_file())
 
 
+def time_converts(
+    src: Path, workdir: Path, workers: list[int], verify: bool
+) -> tuple[list[dict], int | None]:
+    """`vllm-h20 convert` (and verify) of src at each worker count, page cache dropped first
+    where allowed; the runs and the output's size."""
+    runs = []
+    out_bytes = None
+    for w in workers:
+        dst = workdir / f"fp8-j{w}"
+        shutil.rmtree(dst, ignore_errors=True)
+        cold = drop_caches()
+        secs, rss = run_convert(src, dst, w)
+        out_bytes = dir_bytes(dst)
+        run = {
+            "workers": w,
+            "seconds": round(secs, 2),
+            "cold_cache": cold,
+            "peak_rss_bytes_children": rss,
+        }
+        if verify:
+            drop_caches()
+            run["verify_seconds"] = round(run_verify(src, dst, w), 2)
+        runs.append(run)
+        shutil.rmtree(dst)
+    return runs, out_bytes
+
+
+def print_table(runs: list[dict], bytes_in: int, copy_s: float) -> None:
+    """Each run's time, input rate and ratio to the plain copy (recorded into the runs)."""
+    print(f"{'run':<14}{'seconds':>9}{'MiB/s in':>10}{'vs copy':>9}{'peak RSS':>11}")
+    print(f"{'copy':<14}{copy_s:>9.2f}{bytes_in / copy_s / 2**20:>10.0f}{1.0:>9.2f}{'-':>11}")
+    for r in runs:
+        s = r["seconds"]
+        r["ratio_vs_copy"] = round(s / copy_s, 3)
+        print(
+            f"{'convert -j' + str(r['workers']):<14}{s:>9.2f}{bytes_in / s / 2**20:>10.0f}"
+            f"{s / copy_s:>9.2f}{r['peak_rss_bytes_children'] / GIB:>9.2f} G"
+        )
+    for r in runs:  # verify re-reads the input and the output: the same copy as baseline
+        if "verify_seconds" in r:
+            v = r["verify_seconds"]
+            r["verify_ratio_vs_copy"] = round(v / copy_s, 3)
+            print(
+                f"{'verify -j' + str(r['workers']):<14}{v:>9.2f}{bytes_in / v / 2**20:>10.0f}"
+                f"{v / copy_s:>9.2f}{'-':>11}"
+            )
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--workdir", type=Path, default=Path("/tmp/vllm-h20-bench"))
@@ -105,25 +153,7 @@ def main() -> None:
         print(f"generated {info['bytes'] / GIB:.2f} GiB in {src}")
     bytes_in = dir_bytes(src)
 
-    runs = []
-    out_bytes = None
-    for w in a.workers:
-        dst = a.workdir / f"fp8-j{w}"
-        shutil.rmtree(dst, ignore_errors=True)
-        cold = drop_caches()
-        secs, rss = run_convert(src, dst, w)
-        out_bytes = dir_bytes(dst)
-        run = {
-            "workers": w,
-            "seconds": round(secs, 2),
-            "cold_cache": cold,
-            "peak_rss_bytes_children": rss,
-        }
-        if a.verify:
-            drop_caches()
-            run["verify_seconds"] = round(run_verify(src, dst, w), 2)
-        runs.append(run)
-        shutil.rmtree(dst)
+    runs, out_bytes = time_converts(src, a.workdir, a.workers, a.verify)
 
     copy_dst = a.workdir / "copy"
     shutil.rmtree(copy_dst, ignore_errors=True)
@@ -135,23 +165,7 @@ def main() -> None:
         f"input {bytes_in / GIB:.2f} GiB, output {out_bytes / GIB:.2f} GiB, "
         f"cold cache: {cold}, cpus: {os.cpu_count()}"
     )
-    print(f"{'run':<14}{'seconds':>9}{'MiB/s in':>10}{'vs copy':>9}{'peak RSS':>11}")
-    print(f"{'copy':<14}{copy_s:>9.2f}{bytes_in / copy_s / 2**20:>10.0f}{1.0:>9.2f}{'-':>11}")
-    for r in runs:
-        s = r["seconds"]
-        r["ratio_vs_copy"] = round(s / copy_s, 3)
-        print(
-            f"{'convert -j' + str(r['workers']):<14}{s:>9.2f}{bytes_in / s / 2**20:>10.0f}"
-            f"{s / copy_s:>9.2f}{r['peak_rss_bytes_children'] / GIB:>9.2f} G"
-        )
-    for r in runs:  # verify re-reads the input and the output: the same copy as baseline
-        if "verify_seconds" in r:
-            v = r["verify_seconds"]
-            r["verify_ratio_vs_copy"] = round(v / copy_s, 3)
-            print(
-                f"{'verify -j' + str(r['workers']):<14}{v:>9.2f}{bytes_in / v / 2**20:>10.0f}"
-                f"{v / copy_s:>9.2f}{'-':>11}"
-            )
+    print_table(runs, bytes_in, copy_s)
     doc = {
         "benchmark": "convert vs plain copy",
         "command": " ".join(["python", *sys.argv]),
