@@ -95,13 +95,28 @@ int main(int argc, char** argv) {
 """
 
 
+def _plan_text() -> str:
+    """The candidate's dispatch code as its 0002 patch adds it (the hunks' new side holds the
+    plan functions whole)."""
+    (p2,) = [read_patch(p) for p in sorted(CANDIDATE.glob("0002-*.patch"))]
+    (diff,) = [d for d in p2.files if d.path.endswith(KERNEL_CUH.split("/")[-1])]
+    return "\n".join(line for h in diff.hunks for line in h.new)
+
+
+def test_kernels_precompile_refuses_the_candidate_in_one_line(tmp_path):
+    """`kernels precompile` plans the shipped series only; on the candidate's headers it says so
+    instead of failing to compile its planner."""
+    kernel = tmp_path / "csrc" / precompile.KERNEL_CUH
+    kernel.parent.mkdir(parents=True)
+    kernel.write_text(_plan_text())
+    with pytest.raises(precompile.PrecompileError, match="plans the shipped series only"):
+        precompile.planner_source(tmp_path / "csrc")
+
+
 @pytest.fixture(scope="module")
 def cpp_plan(tmp_path_factory):
     """The candidate's plan functions, cut out of its patched header and compiled alone."""
-    (p2,) = [read_patch(p) for p in sorted(CANDIDATE.glob("0002-*.patch"))]
-    (diff,) = [d for d in p2.files if d.path.endswith(KERNEL_CUH.split("/")[-1])]
-    # The hunks' new side holds the functions whole: rebuild them from the added lines.
-    text = "\n".join(line for h in diff.hunks for line in h.new)
+    text = _plan_text()
     start = text.index("struct RowClassPlan {")
     end = text.index("void grouped_gemm_dispatch(")
     work = tmp_path_factory.mktemp("plan")

@@ -192,6 +192,8 @@ def planner_source(csrc: Path) -> str:
     try:
         start = kernel.index("struct RowClassPlan {")
         plan = kernel[start : kernel.index("void grouped_gemm_dispatch(")]
+        # The shipped plan's signature, the one the planner calls (a candidate series has others).
+        plan.index("plan_row_classes(uint32_t expected_m, uint32_t max_m, uint32_t threshold)")
     except ValueError:
         raise PrecompileError(
             f"{csrc / KERNEL_CUH}: no plan_row_classes; these headers are not the shipped "
