@@ -48,6 +48,7 @@ CANDIDATES = {
         "series": "candidates/fitted-row-tiles",
         "short": "fitted",
         "lead": "Fitted tiles",
+        "prev_kernels": "same kernels, same launches",
         "title": "the shipped per-expert dispatch and the fitted-tile candidate",
     },
     "classes": {
@@ -56,6 +57,8 @@ CANDIDATES = {
         "series": "candidates/whole-expert-tiles",
         "short": "whole-expert tiles",
         "lead": "Whole-expert tiles",
+        "prev_kernels": "same launches; its row-class kernels are this build's, with the "
+        "warp-wide first-tile search and without the spills",
         "title": "the shipped per-expert dispatch and the whole-expert-tile candidate",
     },
 }
@@ -552,7 +555,7 @@ def _header(res: dict, versions: list[str]) -> list[str]:
         + "; ".join(f"**{label[v]}** (`{v}`)" for v in ["stock", *versions])
         + f". The run built `patches/flashinfer/{cand['series']}` as the patched "
         "series (then the shipped one), so `fix` is the candidate and `prev` the shipped plan, "
-        "run from the calibration build with the shipped rule (same kernels, same launches). "
+        f"run from the calibration build with the shipped rule ({cand['prev_kernels']}). "
         f"Reproduce: `SERIES={cand['series']} bash benchmarks/moe_dispatch/h200.sh "
         "smoke` (then `wait`, `collect`).",
         f"- Method: FC1 (N 4608, K 5120) + FC2 (N 5120, K 2304) of all 8 EP ranks of "
