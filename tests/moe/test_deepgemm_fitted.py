@@ -13,9 +13,7 @@ benchmarks' model and the FlashInfer test) is checked against the patched C++ fu
 
 from __future__ import annotations
 
-import os
 import re
-import shutil
 import subprocess
 from pathlib import Path
 
@@ -23,7 +21,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from vllm_h20.moe import expected_m, overlay, precompile
+from tests.moe import deepgemm_kernels as dk
+from vllm_h20.moe import expected_m, overlay
 from vllm_h20.moe.patchfile import read_patch
 
 KERNEL_CUH = (
@@ -56,58 +55,24 @@ SOURCES = {
 }
 
 
-def _nvcc() -> str:
-    nvcc = shutil.which("nvcc")
-    if nvcc is None:
-        if os.environ.get("VLLM_H20_REQUIRE_NVCC"):
-            pytest.fail("nvcc is not on PATH, and VLLM_H20_REQUIRE_NVCC is set (CI)")
-        pytest.skip("nvcc is not on PATH")
-    return nvcc
-
-
 CANDIDATE = overlay.patches_dir() / "flashinfer" / "candidates" / "fitted-row-tiles"
 
 
 @pytest.fixture(scope="module")
 def overlay_csrc(installed_fi, tmp_path_factory) -> Path:
     patches = [read_patch(p) for p in sorted(CANDIDATE.glob("*.patch"))]
-    a = overlay.assess(installed_fi, patches)
-    assert a.state is overlay.FixState.NEEDS_PATCH, a.detail
-    ov = overlay.build_overlay(
-        installed_fi, a, overlay.overlay_for(installed_fi, patches, tmp_path_factory.mktemp("c"))
-    )
-    return ov.csrc_dir
+    return dk.overlay_csrc(installed_fi, patches, tmp_path_factory.mktemp("c"))
 
 
 @pytest.fixture(scope="module")
 def generated(overlay_csrc, installed_fi, tmp_path_factory) -> dict[str, str]:
     """The kernel sources the patched generateKernel writes, and their cache-name tags."""
-    nvcc = _nvcc()
-    work = tmp_path_factory.mktemp("gen")
-    (work / "gen.cu").write_text(GEN)
-    flags, common = precompile._host_includes(overlay_csrc, installed_fi.root)
-    cmd = [nvcc, "-std=c++17", "--expt-relaxed-constexpr", *flags, str(work / "gen.cu"),
-           *map(str, common), "-o", str(work / "gen"), "-Xlinker",
-           "--unresolved-symbols=ignore-all"]  # fmt: skip
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0, r.stderr[-3000:]
-    out = {}
-    for name, args in SOURCES.items():
-        r = subprocess.run([str(work / "gen"), *args], capture_output=True, text=True, timeout=60)
-        assert r.returncode == 0, r.stderr
-        out[name] = r.stdout
-        out[name + "_tag"] = r.stderr.strip()[len("tag") :]
-    return out
+    return dk.generate(GEN, SOURCES, overlay_csrc, installed_fi, tmp_path_factory.mktemp("gen"))
 
 
 def _compile(source: str, include: Path, tmp_path: Path, name: str):
-    """DeepGEMM's own nvcc flags (compiler.cuh; vllm_h20.moe.precompile keeps the copy that
-    `kernels precompile` uses) for one generated kernel, with ptxas's resource report."""
-    src = tmp_path / f"{name}.cu"
-    src.write_text(source)
-    cmd = [_nvcc(), str(src), "-o", str(tmp_path / f"{name}.cubin"), *precompile.NVCC_FLAGS,
-           "-Xptxas", "-v", f"-I{include}"]  # fmt: skip
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    """One generated kernel, with ptxas's resource report."""
+    return dk.compile_kernel(source, include, tmp_path, name, "-Xptxas", "-v")
 
 
 def test_fitted_kernels_compile_only_against_the_overlay(
@@ -169,12 +134,7 @@ def cpp_plan(overlay_csrc, installed_fi, tmp_path_factory):
     src = work / "plan.cu"
     src.write_text('#include <algorithm>\n#include "tensorrt_llm/deep_gemm/compiler.cuh"\n'
                    + text[start:end] + PLAN)  # fmt: skip
-    flags, common = precompile._host_includes(overlay_csrc, installed_fi.root)
-    cmd = [_nvcc(), "-std=c++17", "--expt-relaxed-constexpr", *flags, str(src),
-           *map(str, common), "-o", str(work / "plan"), "-Xlinker",
-           "--unresolved-symbols=ignore-all"]  # fmt: skip
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0, r.stderr[-3000:]
+    dk.build_host(src, overlay_csrc, installed_fi, work / "plan")
 
     def run(sms: int, cases: list[tuple[int, int, int]]) -> list[tuple[int, ...]]:
         args = [str(sms)] + [str(x) for c in cases for x in c]

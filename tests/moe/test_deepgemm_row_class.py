@@ -12,7 +12,6 @@ the FlashInfer test) is checked against the patched C++ function itself.
 from __future__ import annotations
 
 import math
-import os
 import re
 import shutil
 import subprocess
@@ -23,7 +22,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from vllm_h20.moe import overlay, precompile
+from tests.moe import deepgemm_kernels as dk
 
 ROOT = Path(__file__).resolve().parents[2]
 KERNEL_CUH = (
@@ -49,55 +48,17 @@ int main(int argc, char** argv) {
 """
 
 
-def _nvcc() -> str:
-    nvcc = shutil.which("nvcc")
-    if nvcc is None:
-        if os.environ.get("VLLM_H20_REQUIRE_NVCC"):
-            pytest.fail("nvcc is not on PATH, and VLLM_H20_REQUIRE_NVCC is set (CI)")
-        pytest.skip("nvcc is not on PATH")
-    return nvcc
-
-
 @pytest.fixture(scope="module")
 def overlay_csrc(installed_fi, patches, tmp_path_factory) -> Path:
-    a = overlay.assess(installed_fi, patches)
-    assert a.state is overlay.FixState.NEEDS_PATCH, a.detail
-    ov = overlay.build_overlay(
-        installed_fi, a, overlay.overlay_for(installed_fi, patches, tmp_path_factory.mktemp("c"))
-    )
-    return ov.csrc_dir
+    return dk.overlay_csrc(installed_fi, patches, tmp_path_factory.mktemp("c"))
 
 
 @pytest.fixture(scope="module")
 def generated(overlay_csrc, installed_fi, tmp_path_factory) -> dict[str, str]:
     """The kernel sources the patched generateKernel writes: cold class, hot class, no class."""
-    nvcc = _nvcc()
-    work = tmp_path_factory.mktemp("gen")
-    (work / "gen.cu").write_text(GEN)
-    flags, common = precompile._host_includes(overlay_csrc, installed_fi.root)
-    cmd = [nvcc, "-std=c++17", "--expt-relaxed-constexpr", *flags, str(work / "gen.cu"),
-           *map(str, common), "-o", str(work / "gen"), "-Xlinker",
-           "--unresolved-symbols=ignore-all"]  # fmt: skip
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0, r.stderr[-3000:]
-    out = {}
-    for name, args in (("cold", ["swap", "1", "32"]), ("hot", ["regular", "33", "any"]),
-                       ("plain", ["swap", "0", "any"])):  # fmt: skip
-        r = subprocess.run([str(work / "gen"), *args], capture_output=True, text=True, timeout=60)
-        assert r.returncode == 0, r.stderr
-        out[name] = r.stdout
-        out[name + "_tag"] = r.stderr.strip()[len("tag") :]
-    return out
-
-
-def _compile(source: str, include: Path, tmp_path: Path, name: str, *extra: str):
-    """DeepGEMM's own nvcc flags (compiler.cuh; vllm_h20.moe.precompile keeps the copy that
-    `kernels precompile` uses) for one generated kernel, and `extra` ones."""
-    src = tmp_path / f"{name}.cu"
-    src.write_text(source)
-    cmd = [_nvcc(), str(src), "-o", str(tmp_path / f"{name}.cubin"), *precompile.NVCC_FLAGS,
-           *extra, f"-I{include}"]  # fmt: skip
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    sources = {"cold": ["swap", "1", "32"], "hot": ["regular", "33", "any"],
+               "plain": ["swap", "0", "any"]}  # fmt: skip
+    return dk.generate(GEN, sources, overlay_csrc, installed_fi, tmp_path_factory.mktemp("gen"))
 
 
 def test_row_class_kernels_compile_only_against_the_overlay(
@@ -112,18 +73,18 @@ def test_row_class_kernels_compile_only_against_the_overlay(
     # The overlay holds DeepGEMM's headers as files: relative includes stay inside it.
     assert not any(p.is_symlink() for p in (ours / "deep_gemm").iterdir())
     for name in ("cold", "hot"):
-        r = _compile(generated[name], ours, tmp_path, name)
+        r = dk.compile_kernel(generated[name], ours, tmp_path, name)
         assert r.returncode == 0, r.stderr[-3000:]
         cubin = (tmp_path / f"{name}.cubin").read_bytes()
         # The kernel's mangled name carries the scheduler's row class (kMinRows, kMaxRows).
         bounds = b"Lj1ELj32EEE" if name == "cold" else b"Lj33ELj4294967295EEE"
         assert re.search(rb"GroupedWithOffsetScheduler\w*" + bounds, cubin), name
-        r = _compile(generated[name], theirs, tmp_path, name + "_stock")
+        r = dk.compile_kernel(generated[name], theirs, tmp_path, name + "_stock")
         assert r.returncode != 0 and "too many arguments" in r.stdout + r.stderr
     # Without a row class the source is what FlashInfer's own generateKernel writes.
     assert "SchedulerSelectorSwapAB<GemmType::GroupedWithOffset, 4608, 5120, 128, 16, 128, 50, " \
            "1>::type" in generated["plain"]  # fmt: skip
-    r = _compile(generated["plain"], theirs, tmp_path, "plain_stock")
+    r = dk.compile_kernel(generated["plain"], theirs, tmp_path, "plain_stock")
     assert r.returncode == 0, r.stderr[-3000:]
 
 

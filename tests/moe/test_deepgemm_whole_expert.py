@@ -21,7 +21,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tests.moe.test_deepgemm_row_class import GEN, KERNEL_CUH, _compile, _nvcc
+from tests.moe import deepgemm_kernels as dk
+from tests.moe.test_deepgemm_row_class import GEN, KERNEL_CUH
 from vllm_h20.moe import overlay, precompile
 from vllm_h20.moe.patchfile import read_patch
 
@@ -33,32 +34,12 @@ SOURCES = {"cold": ["swap", "1", "16"], "hot": ["regular", "17", "any"]}
 @pytest.fixture(scope="module")
 def overlay_csrc(installed_fi, tmp_path_factory) -> Path:
     patches = [read_patch(p) for p in sorted(CANDIDATE.glob("*.patch"))]
-    a = overlay.assess(installed_fi, patches)
-    assert a.state is overlay.FixState.NEEDS_PATCH, a.detail
-    ov = overlay.build_overlay(
-        installed_fi, a, overlay.overlay_for(installed_fi, patches, tmp_path_factory.mktemp("w"))
-    )
-    return ov.csrc_dir
+    return dk.overlay_csrc(installed_fi, patches, tmp_path_factory.mktemp("w"))
 
 
 @pytest.fixture(scope="module")
 def generated(overlay_csrc, installed_fi, tmp_path_factory) -> dict[str, str]:
-    nvcc = _nvcc()
-    work = tmp_path_factory.mktemp("gen")
-    (work / "gen.cu").write_text(GEN)
-    flags, common = precompile._host_includes(overlay_csrc, installed_fi.root)
-    cmd = [nvcc, "-std=c++17", "--expt-relaxed-constexpr", *flags, str(work / "gen.cu"),
-           *map(str, common), "-o", str(work / "gen"), "-Xlinker",
-           "--unresolved-symbols=ignore-all"]  # fmt: skip
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0, r.stderr[-3000:]
-    out = {}
-    for name, args in SOURCES.items():
-        r = subprocess.run([str(work / "gen"), *args], capture_output=True, text=True, timeout=60)
-        assert r.returncode == 0, r.stderr
-        out[name] = r.stdout
-        out[name + "_tag"] = r.stderr.strip()[len("tag") :]
-    return out
+    return dk.generate(GEN, SOURCES, overlay_csrc, installed_fi, tmp_path_factory.mktemp("gen"))
 
 
 def test_class_kernels_spill_nothing_and_need_the_overlay(
@@ -68,12 +49,12 @@ def test_class_kernels_spill_nothing_and_need_the_overlay(
     ours = overlay_csrc / "nv_internal" / "tensorrt_llm"
     theirs = installed_fi.root / "csrc" / "nv_internal" / "tensorrt_llm"
     for name in SOURCES:
-        r = _compile(generated[name], ours, tmp_path, name, "-Xptxas", "-v")
+        r = dk.compile_kernel(generated[name], ours, tmp_path, name, "-Xptxas", "-v")
         assert r.returncode == 0, r.stderr[-3000:]
         report = r.stdout + r.stderr
         assert "0 bytes spill stores" in report, report[-2000:]
         assert not re.search(r"[1-9]\d* bytes spill stores", report), report[-2000:]
-        r = _compile(generated[name], theirs, tmp_path, name + "_stock")
+        r = dk.compile_kernel(generated[name], theirs, tmp_path, name + "_stock")
         assert r.returncode != 0
 
 
