@@ -202,7 +202,8 @@ def calib_table(calib: list[dict]) -> list[str]:
 
 
 def emulation_section(emu: dict) -> list[str]:
-    short, lead = candidate_of(emu)["short"], candidate_of(emu)["lead"]
+    cand = candidate_of(emu)
+    short, lead = cand["short"], cand["lead"]
     out = []
     for key, label in (
         ("emulated_78sm", "78-SM tiles and threshold, all 132 SMs' speed"),

@@ -257,14 +257,8 @@ CANDIDATE_VERSIONS = (
     Version("fix_again", "patched", "fixed"),
     Version("split", "calib", "fixed", SPLIT),
 )
-# The whole-expert-tile candidate: the shipped series' plan (prev) beside it, from its build.
-CLASS_VERSIONS = (
-    Version("stock", "stock", "stock"),
-    Version("avg", "calib", "fixed", AVG_ONLY),
-    Version("prev", "calib", "fixed", PREV),
-    Version("fix", "patched", "fixed"),
-    Version("fix_again", "patched", "fixed"),
-)
+# The whole-expert-tile candidate: the same, without the split (a fitted-tile rule).
+CLASS_VERSIONS = tuple(v for v in CANDIDATE_VERSIONS if v.name != "split")
 # --explore: does the second launch cost less when no kernel changes the shared-memory carveout?
 EXPLORE = (
     Version("stock", "stock", "stock"),

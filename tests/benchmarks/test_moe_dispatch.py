@@ -119,17 +119,22 @@ def test_published_report_is_rendered_from_the_published_json(tmp_path):
     assert "every one of the 44 cases is at or above 0.98x stock" in md
 
 
-def test_whole_expert_run_readme_is_rendered_from_its_files(tmp_path):
-    """benchmarks/results/moe_dispatch/whole-expert-tiles-h200/README.md: its notes, then the
-    tables of the final kernel-level run and the emulations, from the folder's JSONs."""
-    src = RESULTS / "moe_dispatch" / "whole-expert-tiles-h200"
+def _rerendered(src: Path, tmp_path: Path) -> str:
+    """The README report_run.py writes for a copy of a published run folder without one."""
     dst = tmp_path / "run"
     shutil.copytree(src, dst)
     (dst / "README.md").unlink()
     cmd = [sys.executable, str(HERE / "report_run.py"), str(dst), "--no-plot"]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=1200)
     assert r.returncode == 0, r.stderr
-    text = (dst / "README.md").read_text()
+    return (dst / "README.md").read_text()
+
+
+def test_whole_expert_run_readme_is_rendered_from_its_files(tmp_path):
+    """benchmarks/results/moe_dispatch/whole-expert-tiles-h200/README.md: its notes, then the
+    tables of the final kernel-level run and the emulations, from the folder's JSONs."""
+    src = RESULTS / "moe_dispatch" / "whole-expert-tiles-h200"
+    text = _rerendered(src, tmp_path)
     assert text == (src / "README.md").read_text()
     assert "whole-expert tiles (candidate)" in text and "fitted" not in text.split("## ")[1]
 
@@ -139,13 +144,7 @@ def test_run_folder_readme_is_rendered_from_its_files(tmp_path):
     notes, then every table (and the H20 model calibrated to the seed) from the folder's JSONs
     and logs."""
     src = RESULTS / "moe_dispatch" / "concentrated-routing-h200"
-    dst = tmp_path / "run"
-    shutil.copytree(src, dst)
-    (dst / "README.md").unlink()
-    cmd = [sys.executable, str(HERE / "report_run.py"), str(dst), "--no-plot"]
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=1200)
-    assert r.returncode == 0, r.stderr
-    text = (dst / "README.md").read_text()
+    text = _rerendered(src, tmp_path)
     assert text == (src / "README.md").read_text()
     assert text.startswith((src / "NOTES.md").read_text())
     # The seed's two numbers the model was not calibrated on, within 15 %.
