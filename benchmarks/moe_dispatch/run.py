@@ -866,8 +866,12 @@ def main() -> None:
     if unknown:
         raise SystemExit(f"unknown routing(s) {', '.join(unknown)}: "
                          f"choose from {', '.join(cases.ALL_ROUTINGS)}")  # fmt: skip
-    emulations = [e for e in EMULATIONS
-                  if args.emulate == "all" or e[0] in args.emulate.split(",")]  # fmt: skip
+    wanted = [e for e in args.emulate.split(",") if e and e != "all"]
+    unknown = sorted(set(wanted) - {e[0] for e in EMULATIONS})
+    if unknown:  # a misspelt EMULATE would otherwise run none of them, silently, on a lease
+        raise SystemExit(f"unknown emulation(s) {', '.join(unknown)}: choose from "
+                         f"{', '.join(e[0] for e in EMULATIONS)}, or all")  # fmt: skip
+    emulations = [e for e in EMULATIONS if args.emulate == "all" or e[0] in wanted]
 
     data = unpack_flashinfer(args.flashinfer, args.work)
     log(f"building {', '.join(VARIANTS)} from {args.flashinfer.name}")

@@ -57,6 +57,19 @@ def test_calibration_hooks_apply_to_the_patched_sources(tmp_path):
             assert run.deepgemm_dir(data, work, variant).endswith("tensorrt_llm")
 
 
+@pytest.mark.parametrize(
+    "args, msg",
+    [(["--routings", "uniform,zipff"], "unknown routing(s) zipff: choose from"),
+     (["--emulate", "emulated_78sm,emulated_h20"], "unknown emulation(s) emulated_h20: choose")],
+)  # fmt: skip
+def test_run_refuses_unknown_routings_and_emulations_in_one_line(tmp_path, args, msg):
+    cmd = [sys.executable, str(HERE / "run.py"), "--flashinfer", str(tmp_path / "none.tar.xz"),
+           "--out", str(tmp_path / "out"), "--work", str(tmp_path / "work"), *args]  # fmt: skip
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 1 and msg in r.stderr, r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1 and "Traceback" not in r.stderr
+
+
 def test_eplb_routing_is_skewed_like_what_eplb_leaves():
     for tokens in (1024, 4096):
         counts = np.bincount(cases.route("eplb", tokens).ravel(), minlength=cases.SLOTS)
