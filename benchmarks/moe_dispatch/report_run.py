@@ -62,7 +62,7 @@ CANDIDATES = {
         "title": "the shipped per-expert dispatch and the whole-expert-tile candidate",
     },
 }
-BALANCED = ("uniform", "zipf", "hot", "eplb", "trained")
+BALANCED = cases.BALANCED
 # The seed write-up's H20 fused-op measurements (8 x H20, EP8, average-only fix).
 SEED = (
     ("uniform", 288, 1.808e-3, 0.564e-3),
@@ -183,16 +183,20 @@ def case_table(res: dict, versions: list[str]) -> list[str]:
 
 def calib_table(calib: list[dict]) -> list[str]:
     kinds = [k for k in ("regular", "swap_ab", "fitted") if f"{k}_s" in calib[0]]
+    fitted = "fitted" in kinds
+    ratio_heads = "fitted / regular | fitted / swap-A/B" if fitted else "swap-A/B / regular"
     out = [
         "| GEMM | rows per expert | "
         + " | ".join(f"{k} us" for k in kinds)
-        + " | fitted / regular | fitted / swap-A/B |",
-        "|---|---:|" + "---:|" * (len(kinds) + 2),
+        + f" | {ratio_heads} |",
+        "|---|---:|" + "---:|" * (len(kinds) + (2 if fitted else 1)),
     ]
     for c in calib:
-        ratios = ""
-        if "fitted_s" in c:
-            ratios = f"{c['fitted_s'] / c['regular_s']:.3f} | {c['fitted_s'] / c['swap_ab_s']:.3f}"
+        if fitted:
+            f = c.get("fitted_s")
+            ratios = f"{f / c['regular_s']:.3f} | {f / c['swap_ab_s']:.3f}" if f else ""
+        else:
+            ratios = f"{c['swap_ab_s'] / c['regular_s']:.3f}"
         out.append(
             f"| {c['gemm']} | {c['m']} | "
             + " | ".join(f"{c[f'{k}_s'] * 1e6:.1f}" for k in kinds)
@@ -265,7 +269,8 @@ def explore_section(path: Path) -> list[str]:
     return out
 
 
-def fused_section(folder: Path) -> list[str]:
+def fused_section(folder: Path, cand: dict) -> list[str]:
+    """The fused-op A/B and FlashInfer's tests of the run's candidate module (cand: CANDIDATES)."""
     f = folder / "fused_h200.json"
     if not f.exists():
         return []
@@ -277,10 +282,10 @@ def fused_section(folder: Path) -> list[str]:
         f"FlashInfer {res['device']['flashinfer']}'s own `cutlass_fused_moe(..., "
         "use_deepseek_fp8_block_scale=True)` on every EP8 rank (permute, FC1, SwiGLU + FP8 "
         "requantization, FC2, finalize), the reduced module built from the candidate series "
-        "(`VLLM_H20_PATCH_SERIES=candidates/fitted-row-tiles`) against the one built from "
+        f"(`VLLM_H20_PATCH_SERIES={cand['series']}`) against the one built from "
         "FlashInfer's own sources; same method as the kernel-level run.",
         "",
-        f"- Outputs: the fitted module's are bit-identical to the unpatched module's in "
+        f"- Outputs: the {cand['short']} module's are bit-identical to the unpatched module's in "
         f"{sum(r['bit_identical'] for r in rows)} of {len(rows)} cases (every rank).",
         f"- Against the fp32 reference (tolerance 2e-2, the patch test's): {len(rows) - len(over)} "
         f"of {len(rows)} cases pass"
@@ -291,17 +296,17 @@ def fused_section(folder: Path) -> list[str]:
             else ""
         )
         + ".",
-        f"- Fitted over stock: {min(r['speedup'] for r in rows):.2f}x to "
+        f"- {cand['short'].capitalize()} over stock: {min(r['speedup'] for r in rows):.2f}x to "
         f"{max(r['speedup'] for r in rows):.2f}x; {len([r for r in rows if r['speedup'] < 0.98])} "
         "cases under 0.98x.",
     ]
     for log in sorted(folder.glob("fused_tests_*.log")):
         last = log.read_text().strip().splitlines()[-1].strip("= ")
-        module = "fitted" if "_per_expert_" in log.name else "stock"
+        module = cand["short"] if "_per_expert_" in log.name else "stock"
         out.append(f"- `{log.name}` ({module} module): {last}")
     out += [
         "",
-        "| routing | tokens | stock ms | fitted ms | speedup | A/A | bit-identical | "
+        f"| routing | tokens | stock ms | {cand['short']} ms | speedup | A/A | bit-identical | "
         "max rel err | check |",
         "|---|---:|---:|---:|---:|---:|---|---:|---|",
     ]
@@ -602,8 +607,12 @@ def render(folder: Path) -> str:
         out += [
             "## The kernels at forced rows per expert",
             "",
-            "Every expert m rows, one launch of one kernel, tiles sized for m (fitted: widest "
-            "tile m rounded up to 16, at most 128):",
+            "Every expert m rows, one launch of one kernel, tiles sized for m"
+            + (
+                " (fitted: widest tile m rounded up to 16, at most 128):"
+                if "fitted_s" in res["calibration"][0]
+                else ":"
+            ),
             "",
             *calib_table(res["calibration"]),
             "",
@@ -630,10 +639,11 @@ def render(folder: Path) -> str:
         ]
     for f in sorted(folder.glob("explore_*_h200.json")):
         out += [f"## Explored: `{f.name}`", "", *explore_section(f), ""]
-    fused = fused_section(folder)
+    fused = fused_section(folder, candidate_of(res))
     if fused:
         out += ["## Through FlashInfer's fused op (candidate module)", "", *fused, ""]
-    if (folder / "fused_h200.json").exists():
+    # The model's candidate launches are the fitted series' (model.candidate_launches).
+    if (folder / "fused_h200.json").exists() and res.get("series_kind", "fitted") == "fitted":
         out += ["## What H20 would do: the model", "", *model_section(res, folder), ""]
     return "\n".join(out) + "\n"
 
