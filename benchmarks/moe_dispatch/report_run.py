@@ -46,6 +46,8 @@ CANDIDATES = {
         "fix": NAMES["fix"],
         "fix_again": NAMES["fix_again"],
         "series": "candidates/fitted-row-tiles",
+        "reproduce": "`SERIES=candidates/fitted-row-tiles bash benchmarks/moe_dispatch/h200.sh "
+        "smoke` (then `wait`, `collect`)",
         "short": "fitted",
         "lead": "Fitted tiles",
         "prev_kernels": "same kernels, same launches",
@@ -55,6 +57,9 @@ CANDIDATES = {
         "fix": "whole-expert tiles (candidate)",
         "fix_again": "whole-expert tiles again (A/A)",
         "series": "candidates/whole-expert-tiles",
+        "reproduce": "`bash benchmarks/moe_dispatch/h200.sh smoke` (then `wait`, `collect`): "
+        "the shipped series since 2026-12-03; the shipped plan before it is "
+        "`candidates/estimated-row-classes`",
         "short": "whole-expert tiles",
         "lead": "Whole-expert tiles",
         "prev_kernels": "same launches; its row-class kernels are this build's, with the "
@@ -562,8 +567,7 @@ def _header(res: dict, versions: list[str]) -> list[str]:
         + f". The run built `patches/flashinfer/{cand['series']}` as the patched "
         "series (then the shipped one), so `fix` is the candidate and `prev` the shipped plan, "
         f"run from the calibration build with the shipped rule ({cand['prev_kernels']}). "
-        f"Reproduce: `SERIES={cand['series']} bash benchmarks/moe_dispatch/h200.sh "
-        "smoke` (then `wait`, `collect`).",
+        f"Reproduce: {cand['reproduce']}.",
         f"- Method: FC1 (N 4608, K 5120) + FC2 (N 5120, K 2304) of all 8 EP ranks of "
         "DeepSeek-V4.1-Flash (50 of 400 slots, top-6) on one GPU, CUDA graphs, 5 warm-ups and "
         f"24 samples, per sample the slowest rank, the median; {len(res['ab'])} cases "

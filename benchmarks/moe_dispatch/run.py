@@ -87,11 +87,12 @@ FORCE_BRANCH_HOOK = (
 SMS_HOOK = (SMS_LINE, "static int kNumDeviceSMs = vllm_h20_num_sms_override();")
 # The calibration build's hooks into the patched grouped_gemm_dispatch (deepgemm_setup.cu defines
 # them): (line in the patched source, what replaces it). Each line must occur exactly once.
-# The shipped series (row classes, plan_row_classes): one launch from expected_m (the average-only
-# fix), forced branches, the SM count.
+# The series shipped until 2026-12-03 (candidates/estimated-row-classes: row classes from an
+# estimate, plan_row_classes(expected_m, max_m, threshold); kind "shipped"): one launch from
+# expected_m (the average-only fix), forced branches, the SM count.
 SHIPPED_HOOKS = (SINGLE_LAUNCH_HOOK, FORCE_BRANCH_HOOK, SMS_HOOK)
-# The shipped series' plan, run from a later series' row-class launches (the calibration build's
-# rule mode 3).
+# That series' plan ("prev"), run from a later series' row-class launches (the calibration
+# build's rule mode 3).
 PREV_PLAN = (
     "  if (vllm_h20_prev_plan()) {\n"
     "    unsigned cold_m, boundary, hot_m;\n"
@@ -122,8 +123,8 @@ FITTED_HOOKS = (
      "      max_m_per_problem, vllm_h20_split_rows(split_rows_for(num_device_sms)));"),
     SMS_HOOK,
 )  # fmt: skip
-# The whole-expert-tile candidate (plan_row_classes with the GPU's ridge): the shipped hooks and the
-# previous plan in front of its own.
+# The shipped series since 2026-12-03 (whole-expert tiles: plan_row_classes with the GPU's ridge;
+# kind "classes"): those hooks and the previous plan in front of its own.
 CLASS_PLAN_LINE = "  uint32_t const busiest = busiest_balanced_rows(expected_m);"
 CLASS_HOOKS = (*SHIPPED_HOOKS, (CLASS_PLAN_LINE, PREV_PLAN + CLASS_PLAN_LINE))
 CANDIDATE = "candidates/fitted-row-tiles"
@@ -131,7 +132,9 @@ CANDIDATE = "candidates/fitted-row-tiles"
 
 def series_kind(kernel_cuh: str) -> str:
     """Which dispatch a patched fp8_blockscale_gemm_kernel.cuh has: "fitted" (fitted row tiles),
-    "classes" (row classes bounded by the GPU's ridge) or "shipped" (the shipped series)."""
+    "classes" (row classes bounded by the GPU's ridge: the shipped series) or "shipped" (the
+    series shipped until 2026-12-03, candidates/estimated-row-classes; the name kept for the
+    published runs)."""
     if "plan_launches(" in kernel_cuh:
         return "fitted"
     return "classes" if "ridge_rows(" in kernel_cuh else "shipped"

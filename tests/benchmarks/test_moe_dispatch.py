@@ -4,6 +4,7 @@ report being rendered from its own data."""
 
 from __future__ import annotations
 
+import json
 import re
 import shutil
 import subprocess
@@ -41,8 +42,8 @@ def test_calibration_hooks_apply_to_the_patched_sources(tmp_path):
     data = tmp_path / "data"
     shutil.copytree(installed_fi.root / "csrc" / "nv_internal", data / "csrc" / "nv_internal",
                     symlinks=True)  # fmt: skip
-    kinds = (("", "shipped"), (run.CANDIDATE, "fitted"),
-             ("candidates/whole-expert-tiles", "classes"))  # fmt: skip
+    kinds = (("", "classes"), (run.CANDIDATE, "fitted"),
+             ("candidates/estimated-row-classes", "shipped"))  # fmt: skip
     for series, kind in kinds:
         work = tmp_path / (series.replace("/", "-") or "shipped")
         for variant in run.VARIANTS:
@@ -51,7 +52,8 @@ def test_calibration_hooks_apply_to_the_patched_sources(tmp_path):
             assert run.series_kind(text) == (kind if variant != "stock" else "shipped")
             assert ("plan_row_classes(" in text or "plan_launches(" in text) is (variant != "stock")
             assert ("vllm_h20_single_launch()) {" in text) is (variant == "calib")
-            assert ("if (vllm_h20_prev_plan()) {" in text) is (variant == "calib" and bool(series))
+            has_prev = variant == "calib" and kind != "shipped"
+            assert ("if (vllm_h20_prev_plan()) {" in text) is has_prev
             launchers = (nv / run.FP8_GEMM_CUH).read_text()
             assert ("vllm_h20_grid(num_sms)" in launchers) is (variant == "calib")
             assert run.deepgemm_dir(data, work, variant).endswith("tensorrt_llm")
@@ -143,13 +145,71 @@ def _rerendered(src: Path, tmp_path: Path) -> str:
     return (dst / "README.md").read_text()
 
 
-def test_whole_expert_run_readme_is_rendered_from_its_files(tmp_path):
-    """benchmarks/results/moe_dispatch/whole-expert-tiles-h200/README.md: its notes, then the
-    tables of the final kernel-level run and the emulations, from the folder's JSONs."""
-    src = RESULTS / "moe_dispatch" / "whole-expert-tiles-h200"
+@pytest.mark.parametrize("folder", ["whole-expert-tiles-h200", "whole-expert-tiles-v2-h200"])
+def test_whole_expert_run_readme_is_rendered_from_its_files(tmp_path, folder):
+    """benchmarks/results/moe_dispatch/whole-expert-tiles*-h200/README.md: the notes, then the
+    tables of the kernel-level run, the emulations and (v2) the fused op, from the folder's
+    files; none of it names the fitted candidate's module or series."""
+    src = RESULTS / "moe_dispatch" / folder
     text = _rerendered(src, tmp_path)
     assert text == (src / "README.md").read_text()
-    assert "whole-expert tiles (candidate)" in text and "fitted" not in text.split("## ")[1]
+    assert text.startswith((src / "NOTES.md").read_text())
+    tables = text.split("## Summary", 1)[1]
+    assert "whole-expert tiles (candidate)" in tables and "fitted-row-tiles" not in tables
+    assert "fitted module" not in tables and "fitted ms" not in tables
+
+
+def _compare(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, str(HERE / "compare_runs.py"), *args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=cwd)
+
+
+def test_repeats_readme_is_rendered_from_the_six_runs():
+    """whole-expert-tiles-v2-h200/repeats/README.md: the six alternating runs (v2 v1 v2 v1 v1 v2)
+    compared by compare_runs.py, as its first line says."""
+    folder = RESULTS / "moe_dispatch" / "whole-expert-tiles-v2-h200"
+    want = (folder / "repeats" / "README.md").read_text()
+    command = re.search(r"Written by `compare_runs.py ([^`]*)`", want).group(1).split()
+    r = _compare(command, folder)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout == want
+    assert "| every case | 1-4096 | 110 |" in want and "not resolved |" in want
+
+
+def _synthetic_run(path: Path, scale: float, wobble: float, seed: int) -> str:
+    rng = np.random.default_rng(seed)
+    ab = [{"routing": r, "tokens": t,
+           "speedups": {"fix": scale * (1.0 + wobble * rng.standard_normal())}}
+          for r in cases.ALL_ROUTINGS for t in cases.TOKENS]  # fmt: skip
+    path.write_text(json.dumps({"ab": ab}))
+    return str(path)
+
+
+def test_compare_runs_resolves_a_shift_and_not_noise(tmp_path):
+    """A 5 % shift between two series is resolved with its sign; two draws of the same series
+    (1 % noise per case and run) are "not resolved"; bad arguments get one line."""
+    order = [("a", 1.05), ("b", 1.0), ("b", 1.0), ("a", 1.05)]
+    runs = [f"{lab}={_synthetic_run(tmp_path / f'{i}.json', s, 0.01, i)}"
+            for i, (lab, s) in enumerate(order)]  # fmt: skip
+    r = _compare(runs, tmp_path)
+    assert r.returncode == 0, r.stderr
+    row = next(line for line in r.stdout.splitlines() if line.startswith("| every case"))
+    ratio, ci, verdict = row.split(" | ")[5:8]
+    lo, hi = map(float, ci.split("-"))
+    assert verdict.strip(" |") == "faster" and 1.0 < lo < 1.05 < hi < 1.1, row
+    same = [f"{lab}={_synthetic_run(tmp_path / f's{i}.json', 1.0, 0.01, 10 + i)}"
+            for i, lab in enumerate("abba")]  # fmt: skip
+    r = _compare(same, tmp_path)
+    assert "| every case | 1-4096 | 110 |" in r.stdout
+    assert all(line.endswith("not resolved |") for line in r.stdout.splitlines()
+               if line.startswith(("| balanced", "| concentrated", "| every")))  # fmt: skip
+    third = f"c={runs[1].split('=')[1]}"
+    for args, msg in (([f"a={tmp_path / 'none.json'}", runs[1]], "no such run file"),
+                      (["a", runs[1]], "expected LABEL=FILE"),
+                      ([runs[0], runs[1], third], "exactly two labels")):  # fmt: skip
+        r = _compare(args, tmp_path)
+        assert r.returncode == 1 and msg in r.stderr and "Traceback" not in r.stderr, r.stderr
+        assert len(r.stderr.strip().splitlines()) == 1
 
 
 def test_run_folder_readme_is_rendered_from_its_files(tmp_path):

@@ -71,20 +71,23 @@ def test_patches_export_writes_patches_pr_text_and_evidence(tmp_path):
     pr = (tmp_path / "pr0" / "PR.md").read_text()
     assert pr.startswith("# fused_moe: ") and "Not measured yet" in pr
     assert "<measured" not in pr  # the placeholder in the commit message is replaced
-    (results / "moe_dispatch_h200.md").write_text("| tokens | x |\n|---|---|\n| 288 | 1.1 |\n")
-    (results / "moe_dispatch_h200.json").write_text("{}")
-    (results / "fused_moe_h200.md").write_text("| fused | 1.2 |\n")
+    run = results / "moe_dispatch" / "whole-expert-tiles-v2-h200"
+    (run / "repeats").mkdir(parents=True)
+    (run / "README.md").write_text("| tokens | x |\n|---|---|\n| 288 | 1.1 |\n")
+    (run / "kernel_h200.json").write_text("{}")
+    (run / "repeats" / "README.md").write_text("| six runs | 1.0 |\n")
+    (run / "repeats" / "1-v1.json.gz").write_bytes(b"")
+    (results / "moe_dispatch_h200.md").write_text("the previous series' table")  # not evidence
     (results / "unrelated.md").write_text("x")
     out = tmp_path / "pr1"
     r = cli("patches", "export", str(out), "--results", str(results))
     assert r.returncode == 0, r.stderr
-    assert sorted(p.name for p in (out / "evidence").iterdir()) == [
-        "fused_moe_h200.md",
-        "moe_dispatch_h200.json",
-        "moe_dispatch_h200.md",
-    ]
-    assert "| 288 | 1.1 |" in (out / "PR.md").read_text()
-    assert "| fused | 1.2 |" in (out / "PR.md").read_text()
+    got = sorted(p.relative_to(out / "evidence").as_posix()
+                 for p in (out / "evidence").rglob("*") if p.is_file())  # fmt: skip
+    assert got == ["README.md", "kernel_h200.json", "repeats/README.md"]
+    pr = (out / "PR.md").read_text()
+    assert "| 288 | 1.1 |" in pr and "### repeats/README" in pr and "| six runs | 1.0 |" in pr
+    assert "previous series' table" not in pr
     variant = ROOT / "patches" / "flashinfer" / "v0.6.14"
     assert [p.read_bytes() for p in sorted((out / "v0.6.14").glob("*.patch"))] == [
         p.read_bytes() for p in sorted(variant.glob("*.patch"))

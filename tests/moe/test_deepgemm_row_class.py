@@ -1,7 +1,9 @@
-"""The per-expert dispatch's DeepGEMM side, compiled here with nvcc for sm_90a (no GPU needed).
+"""The previous per-expert dispatch's DeepGEMM side (patches/flashinfer/candidates/
+estimated-row-classes: the series shipped until 2026-12-03, its row-class boundary from an
+estimate), compiled here with nvcc for sm_90a (no GPU needed).
 
 DeepGEMM compiles its kernels at run time from the headers the module points it at. These
-tests take the headers from a real overlay of the installed FlashInfer with the shipped patch
+tests take the headers from a real overlay of the installed FlashInfer with that patch
 series, let the patched `generateKernel` write the kernel source a row-class launch compiles,
 and compile it: it builds against the overlay (its scheduler type carries the row class in the
 cubin's symbol), and FlashInfer's own headers refuse it, so a stock header set can never
@@ -23,6 +25,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tests.moe import deepgemm_kernels as dk
+from vllm_h20.moe.patchfile import read_patch
 
 ROOT = Path(__file__).resolve().parents[2]
 KERNEL_CUH = (
@@ -48,8 +51,12 @@ int main(int argc, char** argv) {
 """
 
 
+SERIES = ROOT / "patches" / "flashinfer" / "candidates" / "estimated-row-classes"
+
+
 @pytest.fixture(scope="module")
-def overlay_csrc(installed_fi, patches, tmp_path_factory) -> Path:
+def overlay_csrc(installed_fi, tmp_path_factory) -> Path:
+    patches = [read_patch(p) for p in sorted(SERIES.glob("*.patch"))]
     return dk.overlay_csrc(installed_fi, patches, tmp_path_factory.mktemp("c"))
 
 

@@ -1,13 +1,13 @@
-"""The whole-expert-tile candidate (patches/flashinfer/candidates/whole-expert-tiles), compiled
-here with nvcc for sm_90a (no GPU needed).
+"""The per-expert dispatch of the shipped series (patch 0002: no expert split into swap-A/B
+tiles past what pays on the GPU), compiled here with nvcc for sm_90a (no GPU needed).
 
-Its row-class kernels find each CTA's first tile with one warp-wide search and wait for the
-other class's launch before their prologue. Where those `griddepcontrol` instructions sat around
-the main loops, ptxas spilled 192 bytes per thread and the kernels ran 3-15 % slower on an H200
-(benchmarks/results/moe_dispatch/whole-expert-tiles-h200, round 1): the compile here checks
-that the kernels the dispatch launches spill nothing, carry their class in their cache name,
-and do not build against FlashInfer's own headers. The plan (plan_row_classes, cut out of the
-patched header) is checked for what the dispatch relies on.
+Its row-class kernels find each CTA's first tile with one warp-wide search. Where the
+`griddepcontrol` instructions sat around the main loops (the previous series,
+candidates/estimated-row-classes), ptxas spilled 192 bytes per thread and the kernels ran 3-15 %
+slower on an H200 (benchmarks/results/moe_dispatch/whole-expert-tiles-h200, round 1): the
+compile here checks that the kernels the dispatch launches spill nothing, carry their class in
+their cache name, and do not build against FlashInfer's own headers. The plan
+(plan_row_classes, cut out of the patch) is checked for what the dispatch relies on.
 """
 
 from __future__ import annotations
@@ -26,14 +26,14 @@ from tests.moe.test_deepgemm_row_class import GEN, KERNEL_CUH
 from vllm_h20.moe import overlay, precompile
 from vllm_h20.moe.patchfile import read_patch
 
-CANDIDATE = overlay.patches_dir() / "flashinfer" / "candidates" / "whole-expert-tiles"
+SHIPPED = overlay.patches_dir() / "flashinfer"
+PREVIOUS = SHIPPED / "candidates" / "estimated-row-classes"
 # name: generator arguments (swap|regular, min rows, max rows): the launches of a two-class step.
 SOURCES = {"cold": ["swap", "1", "16"], "hot": ["regular", "17", "any"]}
 
 
 @pytest.fixture(scope="module")
-def overlay_csrc(installed_fi, tmp_path_factory) -> Path:
-    patches = [read_patch(p) for p in sorted(CANDIDATE.glob("*.patch"))]
+def overlay_csrc(installed_fi, patches, tmp_path_factory) -> Path:
     return dk.overlay_csrc(installed_fi, patches, tmp_path_factory.mktemp("w"))
 
 
@@ -76,27 +76,29 @@ int main(int argc, char** argv) {
 """
 
 
-def _plan_text() -> str:
-    """The candidate's dispatch code as its 0002 patch adds it (the hunks' new side holds the
-    plan functions whole)."""
-    (p2,) = [read_patch(p) for p in sorted(CANDIDATE.glob("0002-*.patch"))]
+def _plan_text(series: Path = SHIPPED) -> str:
+    """A series' dispatch code as its 0002 patch adds it (the hunks' new side holds the plan
+    functions whole)."""
+    (p2,) = [read_patch(p) for p in sorted(series.glob("0002-*.patch"))]
     (diff,) = [d for d in p2.files if d.path.endswith(KERNEL_CUH.split("/")[-1])]
     return "\n".join(line for h in diff.hunks for line in h.new)
 
 
-def test_kernels_precompile_refuses_the_candidate_in_one_line(tmp_path):
-    """`kernels precompile` plans the shipped series only; on the candidate's headers it says so
-    instead of failing to compile its planner."""
+def test_kernels_precompile_refuses_the_previous_series_in_one_line(tmp_path):
+    """`kernels precompile` plans the shipped series only; on the previous series' headers
+    (VLLM_H20_PATCH_SERIES=candidates/estimated-row-classes) it says so instead of failing to
+    compile its planner; on the shipped series' plan it finds the entry point it calls."""
     kernel = tmp_path / "csrc" / precompile.KERNEL_CUH
     kernel.parent.mkdir(parents=True)
-    kernel.write_text(_plan_text())
+    assert precompile.SHIPPED_PLAN.search(_plan_text())
+    kernel.write_text(_plan_text(PREVIOUS))
     with pytest.raises(precompile.PrecompileError, match="plans the shipped series only"):
         precompile.planner_source(tmp_path / "csrc")
 
 
 @pytest.fixture(scope="module")
 def cpp_plan(tmp_path_factory):
-    """The candidate's plan functions, cut out of its patched header and compiled alone."""
+    """The shipped plan functions, cut out of the patch and compiled alone."""
     text = _plan_text()
     start = text.index("struct RowClassPlan {")
     end = text.index("void grouped_gemm_dispatch(")

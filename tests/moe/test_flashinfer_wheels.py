@@ -110,10 +110,12 @@ def test_git_am_applies_and_matches_our_applier(wheel_root, tmp_path):
     assert (repo / "tests/moe/test_fp8_blockscale_moe_expected_m.py").is_file()
 
 
-@pytest.mark.parametrize("series", ["candidates/fitted-row-tiles", "candidates/whole-expert-tiles"])
+@pytest.mark.parametrize(
+    "series", ["candidates/fitted-row-tiles", "candidates/estimated-row-classes"]
+)
 def test_the_candidate_series_applies_to_every_release(wheel_root, monkeypatch, series):
     """The candidate series (VLLM_H20_PATCH_SERIES) apply as the shipped series does (their
-    kernels' compile checks: tests/moe/test_deepgemm_fitted.py, test_deepgemm_whole_expert.py)."""
+    kernels' compile checks: tests/moe/test_deepgemm_fitted.py, test_deepgemm_row_class.py)."""
     src = flashinfer_src.from_package_dir(wheel_root)
     monkeypatch.setenv(overlay.SERIES_ENV, series)
     a = overlay.assess(src, overlay.shipped_patches(src.version))

@@ -132,6 +132,8 @@ def test_a_candidate_series_replaces_the_shipped_one_and_a_typo_is_one_line(monk
     assert candidate[0] == shipped[0] and candidate[1] != shipped[1]
     assert "fit the SM90 FP8 block-scale row tile" in candidate[1]
     monkeypatch.setenv(overlay.SERIES_ENV, "candidates/fited")
-    with pytest.raises(PatchError, match="one of: candidates/fitted-row-tiles") as e:
+    with pytest.raises(
+        PatchError, match="one of: candidates/estimated-row-classes, candidates/fitted-row-tiles"
+    ) as e:
         overlay.shipped_patches("0.7.4")
     assert "\n" not in str(e.value)

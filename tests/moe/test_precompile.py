@@ -1,6 +1,6 @@
 """`vllm-h20 kernels precompile`: the fix's DeepGEMM kernels planned from the patched headers and
-compiled with nvcc for sm_90a here (no GPU), checked against what a fix server compiled on the
-H200 (benchmarks/results/serve_h200/round3-four-moe-paths/logs/deepgemm-cache.txt)."""
+compiled with nvcc for sm_90a here (no GPU), checked against what the kernel-level A/B compiled on
+the H200 (benchmarks/results/moe_dispatch/whole-expert-tiles-v2-h200/kernel_h200.json)."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from vllm_h20.moe import overlay
 from vllm_h20.moe import precompile as pc
 
 ROOT = Path(__file__).resolve().parents[2]
-ROUND3 = ROOT / "benchmarks/results/serve_h200/round3-four-moe-paths/logs/deepgemm-cache.txt"
+H200_RUN = ROOT / "benchmarks/results/moe_dispatch/whole-expert-tiles-v2-h200/kernel_h200.json"
 # The serve_h200 test model's MoE (benchmarks/serve_h200/make_model.py): V4.1-Flash's experts.
 H200_MODEL = pc.MoeShape(hidden=5120, inter=2304, experts=384, top_k=6)
 
@@ -43,43 +43,67 @@ def planner(ov, installed_fi, tmp_path_factory) -> Path:
     return pc.build_planner(ov.csrc_dir, installed_fi.root, tmp_path_factory.mktemp("planner"))
 
 
-def _names(planner: Path, shape: pc.MoeShape, sms: int, tokens: int, out: Path) -> list[str]:
-    return [k.name for k in pc.plan_kernels(planner, shape, sms, tokens, out)]
+def _names(planner: Path, shape: pc.MoeShape, sms: int, tokens: int, out: Path,
+           min_tokens: int = 1) -> list[str]:  # fmt: skip
+    return [k.name for k in pc.plan_kernels(planner, shape, sms, tokens, out, min_tokens)]
 
 
-def test_the_plan_covers_every_kernel_a_fix_server_compiled_on_the_h200(planner, tmp_path):
-    """Round 3's fix server compiled these while serving (~2.3 s each, the engine waiting); the
-    plan for its model, 132 SMs and vLLM's default 8,192-token steps must hold every one. The
-    cache also held the stock server's kernels (same directory): the unrestricted regular
-    kernels, which the fix never launches (its regular launch always has a row class)."""
-    names = set(_names(planner, H200_MODEL, 132, 8192, tmp_path))
-    seen = {line.split()[3].split("/")[1] for line in ROUND3.read_text().splitlines()}
-    stock_only = {n for n in seen if n.startswith("gemm_") and not n.startswith("gemm_swapAB")
-                  and "_rows" not in n}  # fmt: skip
-    assert len(stock_only) == 4
-    assert seen - stock_only <= names
-    assert len(names) == 58
-    # Every kernel's source was written by the patched generateKernel.
-    src = tmp_path / "gemm_swapAB_4608_5120_128_40_128_384_6384_6_1_rows1-40_GroupedWithOffset.cu"
-    want = "SchedulerSelectorSwapAB<GemmType::GroupedWithOffset, 4608, 5120, 128, 40, 128, 384, "
-    assert want + "1, 36, 16, 1, 40>::type" in src.read_text()
+def _tag(name: str) -> tuple[int, int | None] | None:
+    """A kernel name's row class (min rows, max rows or None for any); None: no class."""
+    m = re.search(r"_class(\d+)-(\d+|any)_", name)
+    return m and (int(m.group(1)), None if m.group(2) == "any" else int(m.group(2)))
+
+
+def _row_tile(name: str) -> int:
+    """The rows one tile covers: block_n of a swap-A/B kernel, block_m of a regular one."""
+    fields = name.removeprefix("gemm_swapAB_").removeprefix("gemm_").split("_")
+    return int(fields[3] if name.startswith("gemm_swapAB_") else fields[2])
+
+
+def test_the_plan_holds_every_kernel_the_h200_run_launched(planner, tmp_path):
+    """The kernel-level A/B on the H200 (moe_dispatch/run.py: V4.1-Flash's experts over EP8, 50
+    of 400 slots per rank, 132 SMs) compiled these while timing the patched series; for each of
+    its token counts the plan must name only kernels it compiled, so the names and the sources
+    the planner writes are the ones DeepGEMM builds at run time. The run's other kernels are
+    stock's, average-only's and the previous plan's."""
+    run = json.loads(H200_RUN.read_text())
+    compiled = set(run["kernels"])
+    shape = pc.MoeShape(hidden=5120, inter=2304, experts=400, top_k=6, ep_size=8)
+    planned: set[str] = set()
+    for t in sorted({r["tokens"] for r in run["ab"]}):
+        names = set(_names(planner, shape, 132, t, tmp_path / "src", min_tokens=t))
+        assert names and names <= compiled, (t, sorted(names - compiled))
+        planned |= names
+    assert len(planned) == 24
+    # Every kernel's source was written by the patched generateKernel, its class in the type.
+    src = (
+        tmp_path
+        / "src"
+        / "gemm_swapAB_4608_5120_128_24_128_50_650_6_1_class1-24_GroupedWithOffset.cu"
+    )
+    want = "SchedulerSelectorSwapAB<GemmType::GroupedWithOffset, 4608, 5120, 128, 24, 128, 50, "
+    assert want + "1, 36, 16, 1, 24>::type" in src.read_text()
 
 
 def test_the_plan_follows_the_dispatch(planner, tmp_path):
-    """Up to 128 tokens one swap-A/B launch with no row class; beyond, a swap-A/B class 1..T
-    and a regular class T+1.., T a multiple of 8 between the threshold (32; 64 on 78 SMs) and
-    128. On an H20 with EP8 (48 experts per rank) the same rules hold with its threshold."""
-    small = _names(planner, H200_MODEL, 132, 128, tmp_path / "a")
-    assert small and all(n.startswith("gemm_swapAB_") and "_rows" not in n for n in small)
-    for sms, ep, threshold in ((132, 1, 32), (78, 8, 64)):
+    """A step whose token count fits one swap-A/B tile: one swap-A/B launch, no row class.
+    Beyond it, a swap-A/B class 1..B and a regular class B+1..: on a 132-SM GPU B is the swap-A/B
+    kernel's own row tile (one pass over an expert's weights); on an H20 (78 SMs, EP8: 48 experts
+    per rank) up to three passes, B at most three tiles, never past 128."""
+    small = _names(planner, H200_MODEL, 132, 16, tmp_path / "a")
+    assert small and all(n.startswith("gemm_swapAB_") and _tag(n) is None for n in small)
+    for sms, ep, most in ((132, 1, 1), (78, 8, 3)):
         shape = pc.MoeShape(5120, 2304, 384, 6, ep_size=ep)
         names = _names(planner, shape, sms, 8192, tmp_path / f"b{sms}")
         assert len(names) == len(set(names))
-        bounds = {int(m.group(1)) for n in names if (m := re.search(r"_rows1-(\d+)_", n))}
-        hot = {int(m.group(1)) - 1 for n in names if (m := re.search(r"_rows(\d+)-any_", n))}
-        assert bounds == hot and min(bounds) == threshold and max(bounds) == 128
-        assert all(b % 8 == 0 for b in bounds)
         assert all(f"_{shape.groups}_" in n for n in names)
+        cold = [n for n in names if n.startswith("gemm_swapAB_") and _tag(n)]
+        hot = [n for n in names if not n.startswith("gemm_swapAB_")]
+        assert all(_tag(n) is not None for n in hot)  # the regular kernel only for a class
+        bounds = {_tag(n)[1] for n in cold}
+        assert bounds == {_tag(n)[0] - 1 for n in hot} and max(bounds) == 128
+        passes = {_tag(n)[1] / _row_tile(n) for n in cold if _tag(n)[1] < 128}
+        assert passes and max(passes) == most and all(p == int(p) for p in passes)
 
 
 def test_our_copy_of_deepgemms_nvcc_flags_matches_the_headers(ov, tmp_path):
@@ -173,6 +197,6 @@ def test_two_node_ep16_plans_25_slot_kernels_for_both_replicas_steps(installed_f
     two = json.loads(_cli(*base, "--data-parallel-size", "2", **env).stdout)
     assert one["shape"]["ep_size"] == 16 and one["shape"]["redundant"] == 16
     assert one["names"] and all("_25_" in k for k in one["names"] + two["names"])
-    # Up to 128 rows: one launch; both replicas' 256 rows add the two-class launches.
-    assert not any("_rows" in k for k in one["names"])
-    assert set(one["names"]) < set(two["names"]) and any("_rows" in k for k in two["names"])
+    assert (one["max_num_batched_tokens"], two["max_num_batched_tokens"]) == (128, 256)
+    # At 78 SMs a 25-expert rank's steps past 48 rows already make both class launches.
+    assert set(one["names"]) <= set(two["names"]) and any("_class" in k for k in one["names"])

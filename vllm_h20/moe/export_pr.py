@@ -12,15 +12,25 @@ from pathlib import Path
 from .overlay import series_dir
 from .patchfile import Patch
 
-# The published results that are the patch's evidence, relative to the results folder: the
-# kernel-level dispatch A/B and the fused-op A/B (tables, JSON, plots).
-EVIDENCE = ("moe_dispatch_*", "fused_moe_*")
+# The published results that are the shipped series' evidence, relative to the results folder:
+# its run folder (kernel-level A/B, emulations, fused op; tables, JSON, plot, the repeated runs).
+# The top-level moe_dispatch_* and fused_moe_* files are the previous series' evidence.
+EVIDENCE = tuple(
+    f"moe_dispatch/whole-expert-tiles-v2-h200/{g}"
+    for g in ("README.md", "repeats/README.md", "*_h200.json", "*.png")
+)
 
 
 def evidence_files(results: Path) -> list[Path]:
     if not results.is_dir():
         return []
     return sorted({f for g in EVIDENCE for f in results.glob(g) if f.is_file()})
+
+
+def _evidence_name(e: Path, results: Path) -> str:
+    """Where an evidence file goes under evidence/: its path below the run folder."""
+    rel = e.relative_to(results).as_posix()
+    return rel.split("/", 2)[-1] if rel.startswith("moe_dispatch/") else rel
 
 
 def write(out: Path, ps: Sequence[Patch], results: Path) -> list[Path]:
@@ -38,9 +48,11 @@ def write(out: Path, ps: Sequence[Patch], results: Path) -> list[Path]:
             for p in sorted(variant.glob("*.patch")):
                 shutil.copyfile(p, tmp / variant.name / p.name)
         (tmp / "evidence").mkdir()
-        for e in evidence:
-            shutil.copyfile(e, tmp / "evidence" / e.name)
-        text = pr_text(ps, evidence, [v.name for v in variants])
+        names = {e: _evidence_name(e, results) for e in evidence}
+        for e, name in names.items():
+            (tmp / "evidence" / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(e, tmp / "evidence" / name)
+        text = pr_text(ps, evidence, [v.name for v in variants], names)
         (tmp / "PR.md").write_text(text, encoding="utf-8")
         out.parent.mkdir(parents=True, exist_ok=True)
         if out.exists():
@@ -51,7 +63,12 @@ def write(out: Path, ps: Sequence[Patch], results: Path) -> list[Path]:
     return evidence
 
 
-def pr_text(ps: Sequence[Patch], evidence: list[Path], variants: Sequence[str] = ()) -> str:
+def pr_text(
+    ps: Sequence[Patch],
+    evidence: list[Path],
+    variants: Sequence[str] = (),
+    names: dict[Path, str] | None = None,
+) -> str:
     """PR.md: the series' subjects and commit messages, then the evidence tables."""
     # The series' last commit says what the PR as a whole does; the list names every commit.
     parts = [f"# {ps[-1].subject}", ""]
@@ -76,5 +93,6 @@ def pr_text(ps: Sequence[Patch], evidence: list[Path], variants: Sequence[str] =
     if not tables:
         parts.append("Not measured yet: no benchmark results were found when this was exported.")
     for e in tables:
-        parts += [f"### {e.stem}", "", e.read_text(encoding="utf-8").strip(), ""]
+        title = (names or {}).get(e, e.name).removesuffix(".md")
+        parts += [f"### {title}", "", e.read_text(encoding="utf-8").strip(), ""]
     return "\n".join(parts).rstrip() + "\n"

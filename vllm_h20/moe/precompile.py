@@ -1,16 +1,17 @@
 """Compile the fix's DeepGEMM kernels before serving, so that no request waits for one.
 
-The per-expert dispatch (patch 0002) picks its DeepGEMM kernels from the step's token count:
-the swap-A/B tile and the row-class boundary are template arguments. DeepGEMM compiles each new
-kernel with nvcc when it is first launched (~2.3 s each on the H200 machine, the engine
+The per-expert dispatch (patch 0002) picks its DeepGEMM kernels from the step's token count and
+the GPU: the swap-A/B tile and the row-class boundary are template arguments. DeepGEMM compiles
+each new kernel with nvcc when it is first launched (~2.3 s each on the H200 machine, the engine
 waiting): a fix server compiled 32 of them in its first 4 minutes of serving
 (benchmarks/results/serve_h200/round3-four-moe-paths). Which kernels a step launches depends
 only on the GEMM shapes, the expert slots, the SM count and the step's token count, so the
 whole set can be compiled ahead, in parallel, into the cache DeepGEMM reads.
 
 The launch plan is not re-implemented here: a small host program is compiled against the
-overlay's patched headers, with the patch's own `plan_row_classes` and kernel-name expression
-cut out of them, and writes every kernel's source with the patched `generateKernel`.
+overlay's patched headers, with the patch's own `plan_row_classes` (and its helpers) and
+kernel-name expression cut out of them, and writes every kernel's source with the patched
+`generateKernel`. Its main() makes the calls grouped_gemm_dispatch makes.
 """
 
 from __future__ import annotations
@@ -28,7 +29,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from . import build, paths
-from .expected_m import swap_threshold
 
 KERNEL_CUH = (
     "nv_internal/tensorrt_llm/kernels/cutlass_kernels/fp8_blockscale_gemm/"
@@ -50,6 +50,11 @@ NVCC_FLAGS = (
     "--expt-relaxed-constexpr",
     "--expt-extended-lambda",
     "--compiler-options=-fPIC,-O3,-Wno-deprecated-declarations,-Wno-abi",
+)
+# The shipped plan's entry point (patch 0002), which the planner's main() calls.
+SHIPPED_PLAN = re.compile(
+    r"plan_row_classes\(uint32_t busiest,\s*uint32_t swap_tile,\s*"
+    r"uint32_t max_m,\s*uint32_t ridge\)"
 )
 CUBIN = "nvcc_kernel.cubin"  # kKernelName in runtime.cuh (nvcc mode, the only one it uses)
 
@@ -97,9 +102,9 @@ static void emit(char const* out, uint32_t n, uint32_t k, uint32_t groups, int s
   std::printf("%%s\n", name.c_str());
 }
 
-// argv: out_dir n k groups expert_slots sms top_k max_tokens threshold
-// As grouped_gemm_dispatch does for the MoE runner (max_m_per_problem = num_rows);
-// threshold: its m_per_expert_threshold, from expected_m.swap_threshold.
+// argv: out_dir n k groups expert_slots sms top_k min_tokens max_tokens
+// As grouped_gemm_dispatch does for the MoE runner (max_m_per_problem = num_rows), for every
+// step of min_tokens..max_tokens tokens.
 int main(int argc, char** argv) {
   if (argc != 10) return 2;
   char const* out = argv[1];
@@ -107,14 +112,15 @@ int main(int argc, char** argv) {
   uint64_t slots = std::atoi(argv[5]);
   int sms = std::atoi(argv[6]);
   uint64_t top_k = std::atoi(argv[7]);
-  uint32_t max_tokens = std::atoi(argv[8]);
-  uint32_t threshold = std::atoi(argv[9]);
-  for (uint32_t rows = 1; rows <= max_tokens; ++rows) {
+  uint32_t min_tokens = std::atoi(argv[8]), max_tokens = std::atoi(argv[9]);
+  for (uint32_t rows = min_tokens; rows <= max_tokens; ++rows) {
     uint32_t expected_m = std::max<uint64_t>(1, (rows * top_k + slots - 1) / slots);
-    RowClassPlan plan = plan_row_classes(expected_m, rows, threshold);
-    if (plan.boundary == 0) {
-      emit(out, n, k, groups, sms, plan.hot_m, false, {});
-    } else if (rows <= plan.boundary) {
+    uint32_t const busiest = busiest_balanced_rows(expected_m);
+    auto const swap_config =
+        deep_gemm::jit::get_best_gemm_config(n, busiest, k, groups, sms, false, true);
+    uint32_t const swap_tile = static_cast<uint32_t>(std::get<1>(swap_config));
+    RowClassPlan plan = plan_row_classes(busiest, swap_tile, rows, ridge_rows(sms));
+    if (rows <= plan.boundary) {
       emit(out, n, k, groups, sms, plan.cold_m, true, {});
     } else {
       emit(out, n, k, groups, sms, plan.cold_m, true, {1, plan.boundary});
@@ -193,7 +199,8 @@ def planner_source(csrc: Path) -> str:
         start = kernel.index("struct RowClassPlan {")
         plan = kernel[start : kernel.index("void grouped_gemm_dispatch(")]
         # The shipped plan's signature, the one the planner calls (a candidate series has others).
-        plan.index("plan_row_classes(uint32_t expected_m, uint32_t max_m, uint32_t threshold)")
+        if not SHIPPED_PLAN.search(plan):
+            raise ValueError
     except ValueError:
         raise PrecompileError(
             f"{csrc / KERNEL_CUH}: no plan_row_classes; these headers are not the shipped "
@@ -260,14 +267,14 @@ class Kernel:
 
 
 def plan_kernels(
-    planner: Path, shape: MoeShape, sms: int, max_tokens: int, out: Path
+    planner: Path, shape: MoeShape, sms: int, max_tokens: int, out: Path, min_tokens: int = 1
 ) -> list[Kernel]:
-    """Every kernel the fix launches for 1..max_tokens tokens per step, FC1 and FC2."""
+    """Every kernel the fix launches for min_tokens..max_tokens tokens per step, FC1 and FC2."""
     out.mkdir(parents=True, exist_ok=True)
     kernels: list[Kernel] = []
     for n, k in shape.gemms():
         args = [str(planner), str(out), str(n), str(k), str(shape.groups), str(shape.slots),
-                str(sms), str(shape.top_k), str(max_tokens), str(swap_threshold(sms))]  # fmt: skip
+                str(sms), str(shape.top_k), str(min_tokens), str(max_tokens)]  # fmt: skip
         r = subprocess.run(args, capture_output=True, text=True, timeout=600)
         if r.returncode != 0:
             raise PrecompileError(f"the kernel planner failed for N={n} K={k}: {r.stderr.strip()}")
