@@ -169,6 +169,71 @@ def launches(counts, tokens: int, version: str, sms: int) -> list[tuple[str, lis
     ]
 
 
+def ridge_rows(sms: int) -> int:
+    """Rows per tile where dense FP8 MMA time equals weight-streaming time (the patch's
+    ridge_rows): 37 on H20, 160 on the 132-SM parts."""
+    return 37 if sms == 78 else 160
+
+
+def plan_whole_expert(expected_m: int, swap_tile: int, max_m: int, sms: int):
+    """(busiest, cold_m, boundary) of the shipped series' plan_row_classes (a port; boundary
+    >= max_m means one launch): the swap-A/B class ends after the passes over an expert's weights
+    that cost less than one regular tile on the GPU."""
+    m = max(expected_m, 1)
+    busiest = m + math.ceil(3 * math.sqrt(m))
+    if max_m <= swap_tile:
+        return busiest, max_m, max_m
+    ridge = ridge_rows(sms)
+    regular_pass = max(1.0, (64 if max_m <= 64 else 128) / ridge)
+    passes = max(1, int(regular_pass / max(1.0, swap_tile / ridge)))
+    boundary = min(MAX_SWAP_ROWS, swap_tile * passes)
+    return busiest, min(busiest, boundary), boundary
+
+
+def whole_expert_launches(counts, tokens: int, sms: int) -> list[tuple[str, list]]:
+    """The shipped series (whole-expert tiles) per GEMM: one swap-A/B launch when every expert
+    fits one tile, else a swap-A/B launch for the experts with 1..boundary rows and a regular
+    one for the rest (each pays its c0, empty or not)."""
+    avg = per_expert_expected_m(tokens, cases.TOP_K, cases.LOCAL, cases.EP)
+    out = []
+    for s in cases.SHAPES:
+        busiest = avg + math.ceil(3 * math.sqrt(max(avg, 1)))
+        tile = tile_rows("swap_ab", busiest, s.n, sms, len(counts))
+        _, cold_m, boundary = plan_whole_expert(avg, tile, tokens, sms)
+        if tokens <= boundary:
+            out.append(("swap_ab", [gemm_terms(counts, s, cold_m, "swap_ab", sms)]))
+            continue
+        cold = np.where(counts <= boundary, counts, 0)
+        hot = np.where(counts > boundary, counts, 0)
+        out.append(("swap_ab", [gemm_terms(cold, s, cold_m, "swap_ab", sms)]))
+        out.append((SECOND, [gemm_terms(hot, s, tokens, "regular", sms)]))
+    return out
+
+
+# The regular launch that follows a swap-A/B launch of the same GEMM (programmatic dependent
+# launch): the regular kernel's rates, its own fixed cost (fit_second).
+SECOND = "regular_second"
+
+
+def fit_second(fits: dict, samples: list[tuple[list[tuple[str, list]], float]]) -> dict:
+    """fits with SECOND added: the regular fit with the c0 that best explains (least relative
+    squares) the measured times of whole-expert plans (samples: (launches, seconds)); >= 0."""
+    num = den = 0.0
+    for plan, t in samples:
+        base, k = 0.0, 0
+        for p, terms in plan:
+            f = fits["regular" if p == SECOND else p]
+            part = f.predict(terms)
+            if p == SECOND:
+                part -= f.c0 * len(terms)
+                k += len(terms)
+            base += part
+        num += k * (t - base) / t**2
+        den += k * k / t**2
+    c1 = max(0.0, num / den) if den else fits["regular"].c0
+    return fits | {SECOND: dataclasses.replace(fits["regular"], c0=c1)}
+
+
 def fitted_terms(counts: np.ndarray, shape, widest: int):
     """(weight bytes, re-read bytes, padded MMA flops) of one fitted swap-A/B GEMM: each expert's
     rows in tiles of `widest` rows, the last narrowed to its rest rounded up to 16."""
@@ -189,9 +254,14 @@ def candidate_launches(counts, tokens: int) -> list[tuple[str, list]]:
 
 def predict(fits: dict, counts, tokens: int, version: str, sms: int) -> float:
     """Seconds for one rank's FC1 + FC2 under a version (each launch pays its c0): stock,
-    fixed (average-only), split (the shipped per-expert plan) or fitted (the candidate)."""
-    plan = (candidate_launches(counts, tokens) if version == "fitted"
-            else launches(counts, tokens, version, sms))  # fmt: skip
+    fixed (average-only), split (the per-expert plan shipped until 2026-12-03), fitted (the
+    fitted-tile candidate) or classes (the shipped whole-expert-tile plan)."""
+    if version == "fitted":
+        plan = candidate_launches(counts, tokens)
+    elif version == "classes":
+        plan = whole_expert_launches(counts, tokens, sms)
+    else:
+        plan = launches(counts, tokens, version, sms)
     return sum(fits[p].predict(terms) for p, terms in plan)
 
 

@@ -5,6 +5,7 @@ the H200 (benchmarks/results/moe_dispatch/whole-expert-tiles-v2-h200/kernel_h200
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import shutil
@@ -48,6 +49,13 @@ def _names(planner: Path, shape: pc.MoeShape, sms: int, tokens: int, out: Path,
     return [k.name for k in pc.plan_kernels(planner, shape, sms, tokens, out, min_tokens)]
 
 
+def _model():
+    sys.path.insert(0, str(ROOT / "benchmarks" / "moe_dispatch"))
+    import model
+
+    return model
+
+
 def _tag(name: str) -> tuple[int, int | None] | None:
     """A kernel name's row class (min rows, max rows or None for any); None: no class."""
     m = re.search(r"_class(\d+)-(\d+|any)_", name)
@@ -70,10 +78,21 @@ def test_the_plan_holds_every_kernel_the_h200_run_launched(planner, tmp_path):
     compiled = set(run["kernels"])
     shape = pc.MoeShape(hidden=5120, inter=2304, experts=400, top_k=6, ep_size=8)
     planned: set[str] = set()
+    model = _model()
     for t in sorted({r["tokens"] for r in run["ab"]}):
         names = set(_names(planner, shape, 132, t, tmp_path / "src", min_tokens=t))
         assert names and names <= compiled, (t, sorted(names - compiled))
         planned |= names
+        # The H20 model's port of the plan (with its port of get_best_gemm_config) agrees.
+        avg = model.per_expert_expected_m(t, 6, 50, 8)
+        for n, _ in shape.gemms():
+            busiest = avg + math.ceil(3 * math.sqrt(avg))
+            tile = model.tile_rows("swap_ab", busiest, n, 132, 50)
+            _, cold_m, boundary = model.plan_whole_expert(avg, tile, t, 132)
+            cold_tile = model.tile_rows("swap_ab", cold_m, n, 132, 50)
+            want = None if t <= boundary else (1, boundary)
+            swap = [x for x in names if x.startswith(f"gemm_swapAB_{n}_")]
+            assert [(_row_tile(x), _tag(x)) for x in swap] == [(cold_tile, want)], (t, n, swap)
     assert len(planned) == 24
     # Every kernel's source was written by the patched generateKernel, its class in the type.
     src = (
