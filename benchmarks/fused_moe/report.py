@@ -1,6 +1,7 @@
 """Turn run.py's JSON (and h200.sh's test logs) into the published table and plot.
 
-    python benchmarks/fused_moe/report.py benchmarks/results/fused_moe_h200.json
+    python benchmarks/fused_moe/report.py \
+        benchmarks/results/moe_dispatch/estimated-row-classes-h200/fused_moe_h200.json
 
 writes fused_moe_h200.md and fused_moe_h200.png beside the JSON, with the kernel-level table
 (moe_dispatch_h200.json, same directory) beside it where that exists. CPU only.
@@ -209,7 +210,8 @@ def main() -> None:
         f"FLASHINFER_CLONE` here, then `bash benchmarks/fused_moe/h200.sh all $OUT` on the GPU "
         f"machine (its last step is `{res['command']}`: {res['phases']['total_s']:.0f} s, "
         f"{res['phases']['deepgemm_jit_s']:.0f} s of it compiling DeepGEMM kernels). Rendered "
-        "by `python benchmarks/fused_moe/report.py benchmarks/results/fused_moe_h200.json`.",
+        "by `python benchmarks/fused_moe/report.py "
+        "benchmarks/results/moe_dispatch/estimated-row-classes-h200/fused_moe_h200.json`.",
         "",
         "The op is FlashInfer's public `flashinfer.fused_moe.cutlass_fused_moe(...,"
         " use_deepseek_fp8_block_scale=True, ep_size=8, ep_rank=r)` (permute, FC1, SwiGLU +"

@@ -1,6 +1,7 @@
 """Turn run.py's JSON into the published tables, the plot and the H20 model.
 
-    python benchmarks/moe_dispatch/report.py benchmarks/results/moe_dispatch_h200.json
+    python benchmarks/moe_dispatch/report.py \
+        benchmarks/results/moe_dispatch/estimated-row-classes-h200/moe_dispatch_h200.json
 
 writes moe_dispatch_h200.md, moe_dispatch_h200.png and moe_dispatch_h20_model.md beside the
 JSON. Runs on the CPU (numpy, matplotlib)."""
@@ -477,7 +478,7 @@ def main() -> None:
         "1..boundary rows, tiles sized for the busiest expert of balanced routing; the regular "
         "kernel for the rest; one launch when at most 128 tokens).",
         f"- Command: `{res['command']}` (then `python benchmarks/moe_dispatch/report.py "
-        "benchmarks/results/moe_dispatch_h200.json`)",
+        "benchmarks/results/moe_dispatch/estimated-row-classes-h200/moe_dispatch_h200.json`)",
         f"- Copy bandwidth measured in the same run: {res['copy_bandwidth_Bps'] / 1e12:.2f} TB/s "
         "(bytes read + written, eager device copy); roofline % = the slowest rank's expert "
         "weights read once at that rate, over the per-expert time.",

@@ -12,7 +12,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 HERE = ROOT / "benchmarks" / "fused_moe"
-RESULTS = ROOT / "benchmarks" / "results"
+RESULTS = ROOT / "benchmarks" / "results" / "moe_dispatch" / "estimated-row-classes-h200"
 
 
 def test_gpu_script_parses_and_run_py_helps_without_a_gpu():
@@ -24,8 +24,9 @@ def test_gpu_script_parses_and_run_py_helps_without_a_gpu():
 
 
 def test_published_report_is_rendered_from_the_published_results(tmp_path):
-    """benchmarks/results/fused_moe_h200.md: every number comes from the run's JSON, the clean
-    build record and the test logs beside it (and the kernel-level JSON it compares with)."""
+    """benchmarks/results/moe_dispatch/estimated-row-classes-h200/fused_moe_h200.md: every
+    number comes from the run's JSON, the clean build record and the test logs beside it (and
+    the kernel-level JSON it compares with)."""
     pytest.importorskip("matplotlib")
     for f in [*RESULTS.glob("fused_moe_*"), RESULTS / "moe_dispatch_h200.json"]:
         if f.suffix != ".png":

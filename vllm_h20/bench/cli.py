@@ -160,7 +160,7 @@ def sweep_cmd(spec, targets, out, tokenizer, throughput_source, metrics_url, res
 
         res = sweep(out, s, ts, tok, throughput_source, resume, dry_run=True)
         # + GuideLLM's start-up and report: 9-15 s per run on a 2-core client
-        # (benchmarks/results/guidellm_overhead_cpu2.md)
+        # (benchmarks/results/bench/guidellm_overhead_cpu2.md)
         minutes = len(res.todo) * (s.warmup_s + s.measure_s + 15) / 60
         click.echo(
             f"would run {len(res.todo)} of {res.total} runs (about {minutes:.0f} min); "
