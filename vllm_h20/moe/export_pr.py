@@ -14,7 +14,7 @@ from .patchfile import Patch
 
 # The published results that are the shipped series' evidence, relative to the results folder:
 # its run folder (kernel-level A/B, emulations, fused op; tables, JSON, plot, the repeated runs).
-# The top-level moe_dispatch_* and fused_moe_* files are the previous series' evidence.
+# (moe_dispatch/estimated-row-classes-h200/ holds the previous series' evidence.)
 EVIDENCE = tuple(
     f"moe_dispatch/whole-expert-tiles-v2-h200/{g}"
     for g in ("README.md", "repeats/README.md", "*_h200.json", "*.png")
