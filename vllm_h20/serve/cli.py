@@ -251,7 +251,8 @@ def node_commands(base: list[str], parsed: dict, address: str | None, port: int,
     return out
 
 
-# SMs per GPU name of --gpu: the fix's kernel choice depends on it (H20's 78 SMs: threshold 64).
+# SMs per GPU name of --gpu: the fix's kernel choice depends on it (on H20's 78 SMs up to three
+# swap-A/B passes per expert).
 _SMS = {"h20-96g": 78, "h20-141g": 78, "h200": 132, "h100": 132}
 
 
