@@ -59,10 +59,11 @@ def test_help_runs_without_a_gpu():
 
 
 def test_published_table_is_rendered_from_the_published_json(tmp_path):
-    """benchmarks/results/moe_dispatch_ep*_h200.md: every number comes from its JSON."""
+    """benchmarks/results/moe_dispatch/estimated-row-classes-h200/moe_dispatch_ep*_h200.md: every
+    number comes from its JSON."""
     import shutil
 
-    results = HERE.parents[0] / "results"
+    results = HERE.parents[0] / "results" / "moe_dispatch" / "estimated-row-classes-h200"
     published = sorted(results.glob("moe_dispatch_ep*_h200.json"))
     assert published
     for js in published:
