@@ -139,11 +139,17 @@ def rank_terms(counts, tokens: int, version: str, sms: int, threshold: int | Non
 MAX_SWAP_ROWS = 128  # the widest swap-A/B row tile
 
 
+def busiest_balanced_rows(expected_m: int) -> int:
+    """The rows the busiest expert gets under balanced routing, mean + 3 standard deviations of a
+    Poisson count (the patches' busiest_balanced_rows)."""
+    m = max(expected_m, 1)
+    return m + math.ceil(3 * math.sqrt(m))
+
+
 def plan_row_classes(expected_m: int, max_m: int, threshold: int) -> tuple[int, int | None]:
     """(rows the swap-A/B tiles are sized for, boundary or None for one launch): a port of
-    plan_row_classes in the patched fp8_blockscale_gemm_kernel.cuh."""
-    m = max(expected_m, 1)
-    busiest = m + math.ceil(3 * math.sqrt(m))
+    plan_row_classes in the previous series' fp8_blockscale_gemm_kernel.cuh."""
+    busiest = busiest_balanced_rows(expected_m)
     if max_m <= MAX_SWAP_ROWS:
         return min(busiest, max_m), None
     boundary = max(threshold, min(MAX_SWAP_ROWS, -(-busiest // 8) * 8))
@@ -179,8 +185,7 @@ def plan_whole_expert(expected_m: int, swap_tile: int, max_m: int, sms: int):
     """(busiest, cold_m, boundary) of the shipped series' plan_row_classes (a port; boundary
     >= max_m means one launch): the swap-A/B class ends after the passes over an expert's weights
     that cost less than one regular tile on the GPU."""
-    m = max(expected_m, 1)
-    busiest = m + math.ceil(3 * math.sqrt(m))
+    busiest = busiest_balanced_rows(expected_m)
     if max_m <= swap_tile:
         return busiest, max_m, max_m
     ridge = ridge_rows(sms)
@@ -197,8 +202,7 @@ def whole_expert_launches(counts, tokens: int, sms: int) -> list[tuple[str, list
     avg = per_expert_expected_m(tokens, cases.TOP_K, cases.LOCAL, cases.EP)
     out = []
     for s in cases.SHAPES:
-        busiest = avg + math.ceil(3 * math.sqrt(max(avg, 1)))
-        tile = tile_rows("swap_ab", busiest, s.n, sms, len(counts))
+        tile = tile_rows("swap_ab", busiest_balanced_rows(avg), s.n, sms, len(counts))
         _, cold_m, boundary = plan_whole_expert(avg, tile, tokens, sms)
         if tokens <= boundary:
             out.append(("swap_ab", [gemm_terms(counts, s, cold_m, "swap_ab", sms)]))

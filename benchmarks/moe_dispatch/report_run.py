@@ -96,9 +96,15 @@ def short_of_best(rows: list[dict], v: str) -> list[dict]:
     return [r for r in rows if r["speedups"][v] / max(1.0, r["speedups"]["avg"]) < 0.97]
 
 
+def kind_of(res: dict) -> str:
+    """run.py's series_kind of a run ("fitted" or "classes"; older runs: the fitted series). It
+    is also the model's name for the candidate plan (model.predict's versions)."""
+    return res.get("series_kind", "fitted")
+
+
 def candidate_of(res: dict) -> dict:
-    """The CANDIDATES entry of a run (run.py's series_kind; older runs: the fitted series)."""
-    return CANDIDATES[res.get("series_kind", "fitted")]
+    """The CANDIDATES entry of a run."""
+    return CANDIDATES[kind_of(res)]
 
 
 def labels(res: dict) -> dict[str, str]:
@@ -333,8 +339,9 @@ def fit_h200(res: dict) -> tuple[dict, int]:
     versions (stock, average-only) and the forced sweep; for the fitted-tile candidate, fitted
     from its runs (its launches are single too)."""
     sms = res["device"]["sms"]
-    fitted = res.get("series_kind", "fitted") == "fitted"
+    fitted = kind_of(res) == "fitted"
     samples: dict[str, list] = {"regular": [], "swap_ab": [], "fitted": []}
+    second = []  # the whole-expert plan's launches and times, for its second launch's c0
     for r in res["ab"]:
         slots = cases.route(r["routing"], r["tokens"])
         for rank in range(cases.EP):
@@ -345,6 +352,9 @@ def fit_h200(res: dict) -> tuple[dict, int]:
             if fitted:
                 ((path, terms),) = model.candidate_launches(counts, r["tokens"])
                 samples[path].append((terms, r["fix_rank_median_s"][rank]))
+            else:
+                plan = model.whole_expert_launches(counts, r["tokens"], sms)
+                second.append((plan, r["fix_rank_median_s"][rank]))
     for c in res["calibration"]:
         shape = next(s for s in cases.SHAPES if s.name == c["gemm"])
         counts = np.full(cases.LOCAL, c["m"])
@@ -357,27 +367,16 @@ def fit_h200(res: dict) -> tuple[dict, int]:
                 ([model.fitted_terms(counts, shape, fit_n(c["m"]))], c["fitted_s"])
             )
     fits = {p: model.fit(s) for p, s in samples.items() if s}
-    if not fitted:  # the second launch's fixed cost, from this series' own runs
-        second = []
-        for r in res["ab"]:
-            slots = cases.route(r["routing"], r["tokens"])
-            for rank in range(cases.EP):
-                plan = model.whole_expert_launches(cases.rank_counts(slots, rank), r["tokens"], sms)
-                second.append((plan, r["fix_rank_median_s"][rank]))
+    if second:  # the second launch's fixed cost, from this series' own runs
         fits = model.fit_second(fits, second)
     return fits, sum(len(s) for s in samples.values())
-
-
-def _plan_of(res: dict) -> str:
-    """The model's name for the run's candidate plan (model.predict's versions)."""
-    return "fitted" if res.get("series_kind", "fitted") == "fitted" else "classes"
 
 
 def model_section(res: dict, folder: Path) -> list[str]:
     sms = res["device"]["sms"]
     fits, n = fit_h200(res)
     ab = {(r["routing"], r["tokens"]): r for r in res["ab"]}
-    plan = _plan_of(res)
+    plan = kind_of(res)
     err = {v: [] for v in ("stock", "fixed", "split", plan)}
     column = {"stock": "stock", "fixed": "avg", "split": "prev", plan: "fix"}
     for (routing, tokens), r in ab.items():
@@ -461,7 +460,7 @@ PLAN_LABELS = {
 
 def h20_cases(res: dict, h20: dict, overhead: float) -> list[str]:
     """Every case of the run on the H20 model: each plan's speedup, the ones short of the best."""
-    plan = _plan_of(res)
+    plan = kind_of(res)
     names = PLAN_LABELS | ({"split": "previous per-expert"} if plan == "classes" else {})
     out = [
         "### Predicted on H20 (EP8, 50 local experts, fused op), every case",

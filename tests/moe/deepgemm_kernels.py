@@ -1,18 +1,29 @@
 """What the DeepGEMM compile tests share (test_deepgemm_row_class, _fitted, _whole_expert): an
 overlay of the installed FlashInfer with a patch series, a host program built against it (the
 patched `generateKernel` writing kernel sources, or a plan cut out of the headers), and one
-generated kernel compiled with DeepGEMM's own nvcc flags."""
+generated kernel compiled with DeepGEMM's own nvcc flags; and the H20 model whose plan ports
+they check (also test_precompile)."""
 
 from __future__ import annotations
 
 import os
 import shutil
 import subprocess
+import sys
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 
 from vllm_h20.moe import overlay, precompile
+
+
+def bench_model() -> ModuleType:
+    """benchmarks/moe_dispatch/model.py (a script beside its `cases` module, not a package)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks" / "moe_dispatch"))
+    import model
+
+    return model
 
 
 def nvcc() -> str:

@@ -17,7 +17,6 @@ import math
 import re
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -136,13 +135,6 @@ def cpp_plan(overlay_csrc, tmp_path_factory):
     return run
 
 
-def _model():
-    sys.path.insert(0, str(ROOT / "benchmarks" / "moe_dispatch"))
-    import model
-
-    return model
-
-
 @settings(max_examples=200, deadline=None)
 @given(
     tokens=st.integers(1, 65536),
@@ -153,7 +145,7 @@ def _model():
 def test_the_plans_python_port_is_the_patch(cpp_plan, tokens, top_k, slots, threshold):
     expected_m = max(1, math.ceil(tokens * top_k / slots))
     cold_m, boundary, hot_m = cpp_plan([(expected_m, tokens, threshold)])[0]
-    port_cold, port_boundary = _model().plan_row_classes(expected_m, tokens, threshold)
+    port_cold, port_boundary = dk.bench_model().plan_row_classes(expected_m, tokens, threshold)
     assert (cold_m, hot_m) == (port_cold, tokens)
     assert boundary == (tokens if port_boundary is None else port_boundary)
     # What the dispatch relies on: the cold class is never empty of meaning, its tiles never

@@ -15,7 +15,6 @@ from __future__ import annotations
 import re
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -121,13 +120,6 @@ def cpp_plan(tmp_path_factory):
     return run
 
 
-def _model():
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks" / "moe_dispatch"))
-    import model
-
-    return model
-
-
 @settings(max_examples=150, deadline=None)
 @given(
     expected_m=st.integers(1, 2048),
@@ -139,7 +131,8 @@ def test_no_expert_above_its_passes_runs_swap_ab(cpp_plan, expected_m, tile, max
     busiest, cold_m, boundary, hot_m = cpp_plan(expected_m, tile, max_m, sms)
     assert busiest >= expected_m and hot_m == max_m
     # The H20 model's port (benchmarks/moe_dispatch/model.py) is this plan.
-    assert _model().plan_whole_expert(expected_m, tile, max_m, sms) == (busiest, cold_m, boundary)
+    port = dk.bench_model().plan_whole_expert(expected_m, tile, max_m, sms)
+    assert port == (busiest, cold_m, boundary)
     if max_m <= tile:  # one launch: every expert fits one tile sized for the most rows
         assert cold_m == boundary == max_m
         return

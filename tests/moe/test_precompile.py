@@ -5,7 +5,6 @@ the H200 (benchmarks/results/moe_dispatch/whole-expert-tiles-v2-h200/kernel_h200
 from __future__ import annotations
 
 import json
-import math
 import os
 import re
 import shutil
@@ -15,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.moe import deepgemm_kernels as dk
 from vllm_h20.moe import overlay
 from vllm_h20.moe import precompile as pc
 
@@ -49,13 +49,6 @@ def _names(planner: Path, shape: pc.MoeShape, sms: int, tokens: int, out: Path,
     return [k.name for k in pc.plan_kernels(planner, shape, sms, tokens, out, min_tokens)]
 
 
-def _model():
-    sys.path.insert(0, str(ROOT / "benchmarks" / "moe_dispatch"))
-    import model
-
-    return model
-
-
 def _tag(name: str) -> tuple[int, int | None] | None:
     """A kernel name's row class (min rows, max rows or None for any); None: no class."""
     m = re.search(r"_class(\d+)-(\d+|any)_", name)
@@ -78,7 +71,7 @@ def test_the_plan_holds_every_kernel_the_h200_run_launched(planner, tmp_path):
     compiled = set(run["kernels"])
     shape = pc.MoeShape(hidden=5120, inter=2304, experts=400, top_k=6, ep_size=8)
     planned: set[str] = set()
-    model = _model()
+    model = dk.bench_model()
     for t in sorted({r["tokens"] for r in run["ab"]}):
         names = set(_names(planner, shape, 132, t, tmp_path / "src", min_tokens=t))
         assert names and names <= compiled, (t, sorted(names - compiled))
@@ -86,8 +79,7 @@ def test_the_plan_holds_every_kernel_the_h200_run_launched(planner, tmp_path):
         # The H20 model's port of the plan (with its port of get_best_gemm_config) agrees.
         avg = model.per_expert_expected_m(t, 6, 50, 8)
         for n, _ in shape.gemms():
-            busiest = avg + math.ceil(3 * math.sqrt(avg))
-            tile = model.tile_rows("swap_ab", busiest, n, 132, 50)
+            tile = model.tile_rows("swap_ab", model.busiest_balanced_rows(avg), n, 132, 50)
             _, cold_m, boundary = model.plan_whole_expert(avg, tile, t, 132)
             cold_tile = model.tile_rows("swap_ab", cold_m, n, 132, 50)
             want = None if t <= boundary else (1, boundary)

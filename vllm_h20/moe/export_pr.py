@@ -12,25 +12,17 @@ from pathlib import Path
 from .overlay import series_dir
 from .patchfile import Patch
 
-# The published results that are the shipped series' evidence, relative to the results folder:
-# its run folder (kernel-level A/B, emulations, fused op; tables, JSON, plot, the repeated runs).
+# The shipped series' evidence: its run folder under the results folder, and the files in it
+# (kernel-level A/B, emulations, fused op; tables, JSON, plot, the repeated runs).
 # (moe_dispatch/estimated-row-classes-h200/ holds the previous series' evidence.)
-EVIDENCE = tuple(
-    f"moe_dispatch/whole-expert-tiles-v2-h200/{g}"
-    for g in ("README.md", "repeats/README.md", "*_h200.json", "*.png")
-)
+EVIDENCE_DIR = "moe_dispatch/whole-expert-tiles-v2-h200"
+EVIDENCE = ("README.md", "repeats/README.md", "*_h200.json", "*.png")
 
 
 def evidence_files(results: Path) -> list[Path]:
     if not results.is_dir():
         return []
-    return sorted({f for g in EVIDENCE for f in results.glob(g) if f.is_file()})
-
-
-def _evidence_name(e: Path, results: Path) -> str:
-    """Where an evidence file goes under evidence/: its path below the run folder."""
-    rel = e.relative_to(results).as_posix()
-    return rel.split("/", 2)[-1] if rel.startswith("moe_dispatch/") else rel
+    return sorted({f for g in EVIDENCE for f in (results / EVIDENCE_DIR).glob(g) if f.is_file()})
 
 
 def write(out: Path, ps: Sequence[Patch], results: Path) -> list[Path]:
@@ -48,7 +40,8 @@ def write(out: Path, ps: Sequence[Patch], results: Path) -> list[Path]:
             for p in sorted(variant.glob("*.patch")):
                 shutil.copyfile(p, tmp / variant.name / p.name)
         (tmp / "evidence").mkdir()
-        names = {e: _evidence_name(e, results) for e in evidence}
+        # Under evidence/ as below the run folder.
+        names = {e: e.relative_to(results / EVIDENCE_DIR).as_posix() for e in evidence}
         for e, name in names.items():
             (tmp / "evidence" / name).parent.mkdir(parents=True, exist_ok=True)
             shutil.copyfile(e, tmp / "evidence" / name)
