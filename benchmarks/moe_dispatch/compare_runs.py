@@ -178,9 +178,12 @@ def parse(arg: str) -> tuple[str, dict, str]:
     if not path.is_file():
         raise SystemExit(f"{path}: no such run file")
     try:
-        return label, load(path), path.name
+        run = load(path)
     except (OSError, ValueError, EOFError) as e:
         raise SystemExit(f"{path}: not a run.py result ({e})") from None
+    if not isinstance(run, dict) or not run.get("ab") or "speedups" not in run["ab"][0]:
+        raise SystemExit(f"{path}: not a run.py result (no cases with speedups under 'ab')")
+    return label, run, path.name
 
 
 def main(argv: list[str] | None = None) -> None:

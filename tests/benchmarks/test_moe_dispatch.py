@@ -207,9 +207,14 @@ def test_compare_runs_resolves_a_shift_and_not_noise(tmp_path):
     assert all(line.endswith("not resolved |") for line in r.stdout.splitlines()
                if line.startswith(("| balanced", "| concentrated", "| every")))  # fmt: skip
     third = f"c={runs[1].split('=')[1]}"
+    (tmp_path / "bad.json").write_text("{not json")
+    (tmp_path / "other.json").write_text('{"ab": []}')
     for args, msg in (([f"a={tmp_path / 'none.json'}", runs[1]], "no such run file"),
                       (["a", runs[1]], "expected LABEL=FILE"),
-                      ([runs[0], runs[1], third], "exactly two labels")):  # fmt: skip
+                      ([runs[0], runs[1], third], "exactly two labels"),
+                      ([f"a={tmp_path / 'bad.json'}", runs[1]], "not a run.py result"),
+                      ([f"a={tmp_path / 'other.json'}", runs[1]], "no cases with speedups"),
+                      ([*runs[:2], "--column", "nope"], "has no column 'nope'")):  # fmt: skip
         r = _compare(args, tmp_path)
         assert r.returncode == 1 and msg in r.stderr and "Traceback" not in r.stderr, r.stderr
         assert len(r.stderr.strip().splitlines()) == 1
