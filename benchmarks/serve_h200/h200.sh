@@ -18,6 +18,8 @@
 #   h200.sh compare A B     greedy tokens and first-token logprobs of A vs B (check/compare_A-B.json)
 #   h200.sh profile NAME... a torch-profiler kernel table of a few decode steps at c128
 #   h200.sh warm NAME...    the sweeps' batch shapes once, each wave timed (before sweeping)
+#   h200.sh steptime NAME...     decode- and prefill-step time of each server, arms interleaved
+#                           (steptime.py; resumes) into $SH/steptime, GPU clocks logged beside
 #   h200.sh sweep SPEC NAME...   vllm-h20 bench sweep (resumes) into $SH/runs/SPEC[-$TAG]
 #   h200.sh v4probe         background: vLLM 0.26 on a small DeepSeek-V4 (benchmarks/journey_h200)
 #   h200.sh v4release       issue 4/4: a synthetic DeepSeek-V4 release (vllm-h20 synth --preset
@@ -47,12 +49,12 @@
 #
 # .stage/ comes from benchmarks/serve_h200/stage.py on a machine with network.
 set -uo pipefail
-step=${1:?boot|take|install|weights|serve|wait|check|compare|warm|profile|v4release|v4convert|v4prep|v4mhc|v4dg|v4probe|sweep|jitsave|jitload|stop|collect}; shift
+step=${1:?boot|take|install|weights|serve|wait|check|compare|warm|profile|steptime|v4release|v4convert|v4prep|v4mhc|v4dg|v4probe|sweep|jitsave|jitload|stop|collect}; shift
 cd "$(dirname "$0")/../.."
 repo=$PWD
 SH=${SH:-/tmp/serve_h200}
 SITE=${SITE:-$SH/site}
-mkdir -p "$SH"/{logs,pieces,runs,check,prof}
+mkdir -p "$SH"/{logs,pieces,runs,check,prof,steptime}
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
 # pip --target installs .pth files that nothing runs from PYTHONPATH: CuTe DSL's (the `cutlass`
 # package DeepSeek-V4's kernels import) adds this folder.
@@ -331,6 +333,17 @@ v4probe)
     echo $! > "$SH/v4probe.pid"
     echo "v4 probe: started"
     ;;
+steptime)
+    specs=(); for n in "$@"; do specs+=("$n=$(port "$n")"); done
+    # Clocks, power and temperature once a second while it runs: a throttled stretch shows.
+    nvidia-smi --query-gpu=timestamp,clocks.sm,clocks.mem,power.draw,temperature.gpu,utilization.gpu \
+        --format=csv -l 1 >> "$SH/steptime/nvidia-smi.csv" 2>/dev/null &
+    smi=$!
+    python3 benchmarks/serve_h200/steptime.py --out "$SH/steptime" ${STEPTIME_ARGS:-} "${specs[@]}"
+    rc=$?
+    kill "$smi" 2>/dev/null
+    exit $rc
+    ;;
 sweep)
     spec=${1:?spec}; shift
     targets=(); for n in "$@"; do targets+=(--target "$n=http://127.0.0.1:$(port "$n")"); done
@@ -390,7 +403,7 @@ collect)
         > "$SH/logs/vllm-deepgemm-kernels.txt" 2>&1
     # Triton's kernels (one metadata JSON each): `stalls.py` counts both per sweep cell.
     list_by_time "$TRITON_CACHE_DIR" triton-cache.txt -name '*.json' ! -name '__grp__*'
-    tar -czf "$OUT/serve_h200.tar.gz" -C "$SH" logs check runs
+    tar -czf "$OUT/serve_h200.tar.gz" -C "$SH" logs check runs steptime
     ls -l "$OUT"
     ;;
 *) echo "unknown step $step" >&2; exit 2 ;;

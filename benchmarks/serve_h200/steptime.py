@@ -1,0 +1,164 @@
+"""Decode- and prefill-step time of running vLLM servers, arms interleaved (stdlib only: it runs
+on the GPU machine next to the servers, like probe.py).
+
+Why not a sweep: closed-loop GuideLLM windows mix prefill, decode and request turnover, and
+their run-to-run spread (CV ~9 % at c128) hides a 5-10 % change in the MoE GEMMs. Here each
+sample isolates the quantity the fix changes:
+
+- decode, batch B: B requests sent at once, each generating exactly S tokens (EOS ignored,
+  greedy), then B fresh requests generating S + D tokens. The second batch runs D more decode
+  steps at batch B than the first, with the same prefill, HTTP and scheduling work, so
+  (wall_long - wall_short) / D is the time of one decode step at batch B.
+- prefill: P requests with long prompts and P with short ones, one token each: the difference
+  is the prefill of the long prompts' extra tokens (one or two chunks).
+
+Every sample uses prompts no server has seen (prefix caching cannot skip a prefill), the same
+prompts for every arm of a repeat. Arms run one at a time in an order that alternates each
+repeat (A B C D, D C B A, ...), so a slow drift of the machine lands on every arm alike.
+Results go to a JSON file after each sample; a rerun with the same file resumes.
+
+    python steptime.py --out DIR fix=8001 stock=8002 triton=8003 deepgemm=8004
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import time
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+# make_model.py's byte-level tokenizer gives ~5.8 tokens per word (probe.py's note).
+WORDS = ("expert", "router", "kernel", "tensor", "cache", "token", "batch", "scale", "block",
+         "stream", "graph", "warp", "tile", "shard", "layer", "gate", "weight")  # fmt: skip
+
+
+def prompts(seed: int, n: int, words: int) -> list[str]:
+    """n prompts of `words` words, unique to this seed (a number and shuffled words)."""
+    rng = random.Random(seed)
+    return [f"{seed}-{i}: " + " ".join(rng.choice(WORDS) for _ in range(words)) for i in range(n)]
+
+
+def complete(url: str, model: str, prompt: str, tokens: int, timeout: float) -> dict:
+    body = {"model": model, "prompt": prompt, "max_tokens": tokens, "min_tokens": tokens,
+            "ignore_eos": True, "temperature": 0.0}  # fmt: skip
+    req = urllib.request.Request(f"{url}/v1/completions", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})  # fmt: skip
+    with urllib.request.urlopen(req, timeout=timeout) as r:
+        return json.loads(r.read())
+
+
+def batch_wall(url: str, model: str, texts: list[str], tokens: int, timeout: float) -> dict:
+    """Send every prompt at once; the wall time until the last answer, and the token counts."""
+    with ThreadPoolExecutor(len(texts)) as ex:
+        t0 = time.perf_counter()
+        futs = [ex.submit(complete, url, model, t, tokens, timeout) for t in texts]
+        out = [f.result() for f in futs]
+        wall = time.perf_counter() - t0
+    gen = [o["usage"]["completion_tokens"] for o in out]
+    if any(g != tokens for g in gen):
+        raise RuntimeError(f"{model}: asked for {tokens} tokens, got {min(gen)}-{max(gen)}")
+    prompt = [o["usage"]["prompt_tokens"] for o in out]
+    return {"wall_s": wall, "prompt_tokens": sum(prompt)}
+
+
+def shapes(a) -> list[dict]:
+    """The measured shapes: decode at each batch, then the prefill pair."""
+    out = [{"shape": f"decode-{b}", "kind": "decode", "batch": b, "short_tokens": a.short_tokens,
+            "long_tokens": a.short_tokens + a.decode_steps, "words": a.decode_words}
+           for b in a.batch]  # fmt: skip
+    if a.prefill_batch:
+        name = f"prefill-{a.prefill_batch}x{a.prefill_words}w"
+        out.append({"shape": name, "kind": "prefill", "batch": a.prefill_batch,
+                    "short_words": 2, "words": a.prefill_words})  # fmt: skip
+    return out
+
+
+def sample(url: str, model: str, shape: dict, seed: int, timeout: float) -> dict:
+    b = shape["batch"]
+    if shape["kind"] == "decode":
+        short = batch_wall(url, model, prompts(seed, b, shape["words"]), shape["short_tokens"],
+                           timeout)  # fmt: skip
+        long = batch_wall(url, model, prompts(seed + 1, b, shape["words"]), shape["long_tokens"],
+                          timeout)  # fmt: skip
+        steps = shape["long_tokens"] - shape["short_tokens"]
+        return {"short_s": short["wall_s"], "long_s": long["wall_s"], "steps": steps,
+                "step_s": (long["wall_s"] - short["wall_s"]) / steps,
+                "prompt_tokens": long["prompt_tokens"]}  # fmt: skip
+    short = batch_wall(url, model, prompts(seed, b, shape["short_words"]), 1, timeout)
+    long = batch_wall(url, model, prompts(seed + 1, b, shape["words"]), 1, timeout)
+    return {"short_s": short["wall_s"], "long_s": long["wall_s"],
+            "extra_prompt_tokens": long["prompt_tokens"] - short["prompt_tokens"],
+            "step_s": long["wall_s"] - short["wall_s"]}  # fmt: skip
+
+
+def arm_order(arms: list[str], rep: int) -> list[str]:
+    """A B C D on even repeats, D C B A on odd ones: every arm's mean position is the same."""
+    return list(arms) if rep % 2 == 0 else list(reversed(arms))
+
+
+def servers(specs: list[str]) -> dict[str, str]:
+    out = {}
+    for s in specs:
+        name, _, port = s.partition("=")
+        if not name or not port:
+            sys.exit(f"steptime: {s!r}: expected NAME=PORT or NAME=URL")
+        out[name] = f"http://127.0.0.1:{port}" if port.isdigit() else port.rstrip("/")
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("servers", nargs="+", metavar="NAME=PORT", help="the arms, in A B C D order")
+    ap.add_argument("--out", type=Path, required=True, help="folder for steptime.json")
+    ap.add_argument("--batch", type=int, nargs="+", default=[64, 128, 256])
+    ap.add_argument("--repeats", type=int, default=6, help="samples per arm and shape")
+    ap.add_argument("--short-tokens", type=int, default=16)
+    ap.add_argument("--decode-steps", type=int, default=128, help="D: the long batch's extra steps")
+    ap.add_argument("--decode-words", type=int, default=11, help="prompt words (~64 tokens)")
+    ap.add_argument("--prefill-batch", type=int, default=8, help="0: no prefill shape")
+    ap.add_argument("--prefill-words", type=int, default=170, help="~1,000 tokens per prompt")
+    ap.add_argument("--warmup", type=int, default=1, help="untimed samples per arm and shape")
+    ap.add_argument("--timeout", type=float, default=300.0)
+    ap.add_argument("--seed", type=int, default=20261203)
+    a = ap.parse_args(argv)
+    arms = servers(a.servers)
+    a.out.mkdir(parents=True, exist_ok=True)
+    path = a.out / "steptime.json"
+    res = json.loads(path.read_text()) if path.exists() else {}
+    # More repeats or another timeout may resume a file; any other setting needs its own.
+    config = {k: v for k, v in vars(a).items() if k not in ("out", "servers", "repeats", "timeout")}
+    if res and res.get("config") != config:
+        sys.exit(f"steptime: {path} was measured with other settings; use another --out")
+    res.update(command="python benchmarks/serve_h200/steptime.py " + " ".join(argv or sys.argv[1:]),
+               config=config, arms=list(arms))  # fmt: skip
+    res.setdefault("samples", [])
+    done = {(s["shape"], s["rep"], s["arm"]) for s in res["samples"]}
+    for si, shape in enumerate(shapes(a)):
+        for rep in range(-a.warmup, a.repeats):
+            for arm in arm_order(list(arms), rep):
+                if (shape["shape"], rep, arm) in done:
+                    continue
+                seed = a.seed + 100_000 * si + 1_000 * (rep + a.warmup)
+                try:
+                    s = sample(arms[arm], arm, shape, seed, a.timeout)
+                except (OSError, RuntimeError, KeyError, ValueError) as e:
+                    path.write_text(json.dumps(res, indent=1))
+                    print(f"steptime: {arm} {shape['shape']} rep {rep}: {e}", file=sys.stderr)
+                    return 1
+                res["samples"].append({"shape": shape["shape"], "kind": shape["kind"],
+                                       "batch": shape["batch"], "rep": rep, "arm": arm,
+                                       "time": time.time(), **s})  # fmt: skip
+                path.write_text(json.dumps(res, indent=1))  # each sample: a cut call keeps it
+                tag = "warm-up" if rep < 0 else f"rep {rep}"
+                walls = f"short {s['short_s']:.3f} s, long {s['long_s']:.3f} s"
+                print(f"{shape['shape']:>16} {tag:>8} {arm:>9}: {s['step_s'] * 1e3:8.3f} ms "
+                      f"({walls})", flush=True)  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
