@@ -198,15 +198,32 @@ def cmd_routing(a) -> None:
     Path(a.out, f"routing_{name}.json").write_text(json.dumps(result))
 
 
-def _kernels(trace: Path) -> list[dict]:
+def _kernel_events(trace: Path) -> list[dict]:
     with gzip.open(trace, "rt") if trace.suffix == ".gz" else open(trace) as f:
         events = json.load(f).get("traceEvents", [])
+    return [e for e in events if e.get("cat") == "kernel" and "dur" in e]
+
+
+def _kernels(trace: Path) -> list[dict]:
     agg: dict[str, list[float]] = {}
-    for e in events:
-        if e.get("cat") == "kernel" and "dur" in e:
-            agg.setdefault(e["name"], []).append(float(e["dur"]))
+    for e in _kernel_events(trace):
+        agg.setdefault(e["name"], []).append(float(e["dur"]))
     return sorted(({"name": n, "calls": len(d), "total_us": sum(d)} for n, d in agg.items()),
                   key=lambda k: -k["total_us"])  # fmt: skip
+
+
+def _busy_us(trace: Path) -> float:
+    """Time the GPU ran at least one kernel: overlapping kernels counted once. The per-expert
+    fix's second launch starts beside the first (programmatic dependent launch) and waits for
+    it before leaving, so summed kernel durations count that overlap twice."""
+    spans = sorted((float(e["ts"]), float(e["ts"]) + float(e["dur"]))
+                   for e in _kernel_events(trace) if "ts" in e)  # fmt: skip
+    busy, end = 0.0, float("-inf")
+    for start, stop in spans:
+        if stop > end:
+            busy += stop - max(start, end)
+            end = stop
+    return busy
 
 
 def cmd_profile(a) -> None:
@@ -253,10 +270,12 @@ def cmd_profile(a) -> None:
         "trace": trace.name,
         "trace_bytes": trace.stat().st_size,
         "kernel_us_total": total,
+        "gpu_busy_us": _busy_us(trace),
         "kernels": ks,
     }
     Path(a.out, f"profile_{name}.json").write_text(json.dumps(out, indent=1))
-    print(f"{name}: {trace.name}, {len(ks)} kernels, {total / 1e3:.1f} ms of GPU kernel time")
+    print(f"{name}: {trace.name}, {len(ks)} kernels, {total / 1e3:.1f} ms of GPU kernel time, "
+          f"GPU busy {out['gpu_busy_us'] / 1e3:.1f} ms")  # fmt: skip
     for k in ks[:12]:
         print(f"  {k['total_us'] / total:6.1%} {k['calls']:6d}x  {k['name'][:110]}")
 

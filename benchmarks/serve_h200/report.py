@@ -14,6 +14,7 @@ import json
 import math
 import re
 import shutil
+import statistics
 import subprocess
 import sys
 import tarfile
@@ -87,6 +88,7 @@ def summary(root: Path, reports: dict[str, Path], title: str = TITLE) -> str:
     lines += _profiles(chk, logs)
     lines += _correctness(chk)
     lines += _routing(chk)
+    lines += _steptimes(root)
     lines += _sweeps(reports)
     return "\n".join(lines) + "\n"
 
@@ -136,6 +138,10 @@ def _profiles(chk: Path, logs: dict[str, Path]) -> list[str]:
         lines.append("| **all kernels** | " + " | ".join(
             f"**{p['kernel_us_total'] / PROFILED_STEPS / 1e3:.3f} ms**" for p in profs.values()
         ) + " |")  # fmt: skip
+        if all("gpu_busy_us" in p for p in profs.values()):  # probes since round 4
+            lines.append("| **GPU busy (overlapping kernels once)** | " + " | ".join(
+                f"**{p['gpu_busy_us'] / PROFILED_STEPS / 1e3:.3f} ms**" for p in profs.values()
+            ) + " |")  # fmt: skip
         ran = [n for n in SERVERS if logs[n].exists()]
         if missing := [n for n in ran if n not in profs]:
             lines += ["", f"No profile from {', '.join(missing)} (see the README for why)."]
@@ -204,6 +210,51 @@ def _routing(chk: Path) -> list[str]:
     return lines
 
 
+def _steptimes(root: Path) -> list[str]:
+    """Step time per shape and arm (steptime.py), each arm against the first with a 95 % CI."""
+    from vllm_h20.bench.stats import paired_ratio_ci
+
+    lines: list[str] = []
+    # The main run first, then the extra runs in their own folders.
+    for f in sorted((root / "steptime").glob("**/steptime.json"), key=lambda f: (len(f.parts), f)):
+        res = json.loads(f.read_text())
+        cfg, arms = res["config"], res["arms"]
+        ref, others = arms[0], arms[1:]
+        what = ("identical prompts, greedy: every token of a step routes to the same experts"
+                if cfg.get("identical") else "unique prompts, greedy")  # fmt: skip
+        lines += [f"## Step time: {what} ([`{f.relative_to(root)}`]({f.relative_to(root)}))", "",
+                  f"`{res['command']}`", "",
+                  f"Median step time per arm (n repeats, coefficient of variation); then each "
+                  f"arm's step time over {ref}'s, paired by repeat: geometric mean and 95 % CI "
+                  f"(above 1: {ref} is faster; a CI that spans 1 is not resolved).", "",
+                  "| shape | n | " + " | ".join(arms) + " | " +
+                  " | ".join(f"{a} / {ref}" for a in others) + " |",
+                  "|---|---:|" + "---:|" * (2 * len(arms) - 1)]  # fmt: skip
+        shapes = dict.fromkeys(s["shape"] for s in res["samples"])
+        for shape in shapes:
+            by: dict[str, dict[int, float]] = {a: {} for a in arms}
+            for s in res["samples"]:
+                if s["shape"] == shape and s["rep"] >= 0:
+                    by[s["arm"]][s["rep"]] = s["step_s"]
+            reps = sorted(set.intersection(*(set(v) for v in by.values())))
+            cells = []
+            for a in arms:
+                v = [by[a][r] * 1e3 for r in reps]
+                cv = statistics.stdev(v) / statistics.fmean(v) if len(v) > 1 else float("nan")
+                cells.append(f"{statistics.median(v):.2f} ms ({cv:.0%})")
+            for a in others:
+                try:
+                    ci = paired_ratio_ci([by[a][r] for r in reps], [by[ref][r] for r in reps])
+                except ValueError:  # a difference of two walls that noise made <= 0
+                    cells.append("not resolved (a sample <= 0)")
+                    continue
+                verdict = "" if ci.resolved else ", not resolved"
+                cells.append(f"{ci.ratio:.3f} ({ci.low:.3f}-{ci.high:.3f}{verdict})")
+            lines.append(f"| {shape} | {len(reps)} | " + " | ".join(cells) + " |")
+        lines.append("")
+    return lines
+
+
 def _sweeps(reports: dict[str, Path]) -> list[str]:
     lines: list[str] = []
     for name, rep in reports.items():
@@ -226,8 +277,9 @@ def main(argv: list[str] | None = None) -> None:
         with tarfile.open(a.tarball) as t:
             t.extractall(root, filter="data")
         a.out.mkdir(parents=True, exist_ok=True)
-        for sub in ("check", "runs"):
-            shutil.copytree(root / sub, a.out / sub, dirs_exist_ok=True)
+        for sub in ("check", "runs", "steptime"):
+            if (root / sub).exists():
+                shutil.copytree(root / sub, a.out / sub, dirs_exist_ok=True)
         (a.out / "logs").mkdir(exist_ok=True)
         for p in (root / "logs").iterdir():
             text = p.read_text(errors="replace")

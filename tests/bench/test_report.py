@@ -29,8 +29,14 @@ def test_report_table_csv_json_and_plots(finished_sweep, tmp_path):
     for conc in (1, 2):
         a, b = summarize(_per_run(out, "a", conc)), summarize(_per_run(out, "b", conc))
         pct = f"{change_pct(a.mean, b.mean):+.1f}%".replace("-", "−")
-        row = f"| {conc} | {a.mean:,.0f} ± {a.std:,.0f} | {b.mean:,.0f} ± {b.std:,.0f} | {pct} |"
+        row = f"| {conc} | {a.mean:,.0f} ± {a.std:,.0f} | {b.mean:,.0f} ± {b.std:,.0f} | {pct} (CI "
         assert row in md and row in res.stdout
+        # 60 % apart with a few % of noise: resolved, and the CI holds the change
+        cell = next(ln for ln in md.splitlines() if ln.startswith(row)).split(" | ")[-1]
+        assert "not resolved" not in cell
+        lo, hi = (float(x.rstrip("%").replace("−", "-")) for x in cell[len(pct) + 5 :].rstrip(
+            ") |").split(" to "))  # fmt: skip
+        assert lo < change_pct(a.mean, b.mean) < hi
         # the expositions grow at fixed rates: b is 60 % faster than a
         assert change_pct(a.mean, b.mean) == pytest.approx(
             100 * (RATES["b"] / RATES["a"] - 1), abs=15

@@ -272,3 +272,50 @@ def test_a_multi_node_deployment_sums_every_nodes_counters(
                        extra=["--metrics-url", f"fix={nodes[0].url}",
                               "--metrics-url", f"fix={nodes[0].url}"])  # fmt: skip
     one_line_error(twice, "given twice")
+
+
+def test_short_window_excuses_only_what_the_scrape_grid_misses():
+    from vllm_h20.bench.sweep import short_window
+
+    assert short_window(8.27, 12.0, 0.5)  # round 3's fix c256 run, after a failed scrape
+    assert not short_window(11.0, 12.0, 0.5)  # one interval lost at each end
+    assert not short_window(0.3, 1.0, 0.5)  # a 1 s window on a 0.5 s grid: nothing to demand
+    assert short_window(50.0, 60.0, 0.5)
+
+
+@pytest.mark.slow
+def test_a_run_whose_counters_miss_part_of_the_window_is_measured_again(
+    mock_servers, vllm_metrics, tokenizer_dir, tmp_path, monkeypatch
+):
+    """Scrapes that fail mid-run leave the counters' window short of GuideLLM's; the run is
+    rejected and measured once more at once, with new prompts. Scrapes failing for a stretch
+    cannot be produced on demand: in the first run, those in the last 60 % of the window are
+    lost."""
+    from vllm_h20.bench import counters
+    from vllm_h20.bench import sweep as sweep_mod
+
+    real_window, calls = counters.window, []
+
+    def lossy_window(samples, start, end):
+        calls.append(start)
+        if len(calls) == 1:
+            samples = [s for s in samples if s.t <= start + 0.4 * (end - start)]
+        return real_window(samples, start, end)
+
+    monkeypatch.setattr(counters, "window", lossy_window)
+    head = mock_servers("tiny-model")
+    node = vllm_metrics(prompt_rate=1200.0, generation_rate=300.0)
+    spec = tmp_path / "one.yaml"
+    spec.write_text(TINY_SPEC.replace("concurrency: [1, 2]", "concurrency: [1]")
+                    .replace("runs: 2", "runs: 1")
+                    .replace("measure_s: 1.0", "measure_s: 3.0"))  # fmt: skip
+    s = spec_mod.load(spec)
+    ts = parse_targets((f"fix={head.url}",), metrics=(f"fix={node.url}",))
+    res = sweep_mod.sweep(tmp_path / "o", s, ts, tokenizer_dir, "server", scrape_interval=0.1)
+    assert res.ok == 1, [f["error"] for f in res.failed]
+    assert res.failed == [] and len(calls) == 2
+    rec = json.loads((tmp_path / "o" / "runs" / "fix" / "c1-r0.json").read_text())
+    assert rec["status"] == "ok" and rec["attempt"] == 1
+    assert "server counters cover" in rec["previous_error"]
+    assert rec["seed"] == s.run_seed(1, 0) + 10_000_000  # new prompts
+    assert not sweep_mod.short_window(rec["server"]["seconds"], rec["window_s"], 0.1)

@@ -20,9 +20,10 @@ def load_script(path: Path, name: str) -> ModuleType:
 
 
 def pack_published(published: Path, tarball: Path) -> Path:
-    """A published result folder's check/, runs/ and logs/ as the tarball `h200.sh collect`
-    returns: what report.py reads to rebuild the folder."""
+    """A published result folder's check/, runs/, logs/ and steptime/ as the tarball
+    `h200.sh collect` returns: what report.py reads to rebuild the folder."""
     with tarfile.open(tarball, "w:gz") as t:
-        for sub in ("check", "runs", "logs"):
-            t.add(published / sub, arcname=sub)
+        for sub in ("check", "runs", "logs", "steptime"):
+            if (published / sub).exists():
+                t.add(published / sub, arcname=sub)
     return tarball

@@ -239,3 +239,19 @@ def test_stalls_count_the_compiles_inside_each_cell(tmp_path, capsys):
         stalls.main([str(logs), "--logs", str(logs)])
     with pytest.raises(SystemExit, match="has neither vllm-deepgemm-kernels.txt nor triton"):
         stalls.main([str(tmp_path / "sweep"), "--logs", str(tmp_path)])
+
+
+def test_humming_moved_between_leases_as_much_as_release_and_conversion_differ(capsys):
+    """Lease 3 vs lease 4, measured as `probe.py compare` measures two servers: the release on
+    Humming moved by up to 0.74 nats among the shared top-20 candidates; the conversion (fix)
+    did not move at all."""
+    drift = _load("logprob_drift")
+    files = [RESULTS / lease / "check" / "compare_v4hum-v4fix.json"
+             for lease in ("v4-lease3-decode-stalled", "v4-lease4-decode-clean")]  # fmt: skip
+    assert drift.main([*map(str, files), "--server", "v4hum"]) == 0
+    assert capsys.readouterr().out.splitlines()[-1] == (
+        "v4hum: moved on 5 of 8 prompts, 17-20 candidates shared, max |diff| 0.74 nats"
+    )
+    a, b = (json.loads(f.read_text()) for f in files)
+    assert {r["max_abs_diff"] for r in drift.drift(a, b, "v4fix")} == {0.0}
+    assert drift.main([*map(str, files), "--server", "v4stock"]) == 1

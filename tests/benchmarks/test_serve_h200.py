@@ -25,9 +25,9 @@ RECIPE = ROOT / "recipes" / "test-h200-dsv3-fp8-flashinfer-cutlass.yaml"
 
 
 # Under names of their own (other benchmark folders have a stage.py and a report.py too).
-make_model, probe, report, stage = (
+make_model, probe, report, stage, steptime = (
     load_script(HERE / f"{n}.py", f"serve_h200_{n}")
-    for n in ("make_model", "probe", "report", "stage")
+    for n in ("make_model", "probe", "report", "stage", "steptime")
 )
 
 
@@ -206,11 +206,14 @@ def test_uniform_reference_matches_its_expectation():
 
 def test_kernels_are_summed_by_name_from_a_trace(tmp_path):
     events = [
-        {"cat": "kernel", "name": "void deep_gemm::fp8_gemm_kernel_swapAB<1u>", "dur": 10.0},
-        {"cat": "kernel", "name": "void deep_gemm::fp8_gemm_kernel_swapAB<1u>", "dur": 12.0},
-        {"cat": "kernel", "name": "fused_moe_kernel", "dur": 3.0},
-        {"cat": "cpu_op", "name": "aten::mm", "dur": 99.0},
-    ]
+        {"cat": "kernel", "name": "void deep_gemm::fp8_gemm_kernel_swapAB<1u>", "dur": 10.0,
+         "ts": 0.0},
+        {"cat": "kernel", "name": "void deep_gemm::fp8_gemm_kernel_swapAB<1u>", "dur": 12.0,
+         "ts": 20.0},
+        # launched beside the one before (programmatic dependent launch): overlaps 20-32
+        {"cat": "kernel", "name": "fused_moe_kernel", "dur": 3.0, "ts": 30.0},
+        {"cat": "cpu_op", "name": "aten::mm", "dur": 99.0, "ts": 0.0},
+    ]  # fmt: skip
     trace = tmp_path / "t.pt.trace.json.gz"
     with gzip.open(trace, "wt") as f:
         json.dump({"traceEvents": events}, f)
@@ -219,6 +222,8 @@ def test_kernels_are_summed_by_name_from_a_trace(tmp_path):
         ("fp8_gemm_kernel_swapAB<1u>"[-20:], 2, 22.0),
         ("fused_moe_kernel", 1, 3.0),
     ]
+    # Busy time counts the overlap once: 0-10, then 20-33.
+    assert probe._busy_us(trace) == 23.0
 
 
 def test_kernel_classes_name_the_dispatch_that_ran():
@@ -249,7 +254,8 @@ def test_published_results_rebuild_from_their_own_run_files(tmp_path, round_dir)
     assert res.returncode == 0, res.stderr
     assert (out / "summary.md").read_text() == (published / "summary.md").read_text()
     specs = [s for s in ("decode", "prefill") if (published / s).exists()]
-    assert "decode" in specs
+    # Every round has a sweep or step times to rebuild (round 4 measured step times only).
+    assert "decode" in specs or "## Step time" in (out / "summary.md").read_text()
     for spec in specs:
         assert (out / spec / "report.md").read_text() == (
             published / spec / "report.md"
@@ -504,3 +510,52 @@ def test_device_script_brings_jit_caches_back_and_restores_them_once(tmp_path):
     res = run(other, "jitload", str(out))
     assert res.returncode == 1 and f"jitload: {out}/jit-cache.tgz* is damaged" in res.stdout
     assert not (other / "tilelang").exists() and not (other / "jit.new").exists()
+
+
+def test_steptime_recovers_each_servers_per_token_latency_and_resumes(tmp_path):
+    """steptime.py against two GuideLLM mock servers whose non-streaming answers take
+    ttft + itl x (tokens - 1): differencing two batches recovers each one's itl, the report
+    puts the slower one at ~2x the first arm with a CI, a rerun with more repeats adds repeats
+    (and runs its warm-ups again), and other settings or a dead server are refused in one line
+    with every sample kept."""
+    pytest.importorskip("guidellm")
+    from tests.bench.conftest import MockServer, free_port
+
+    fast = MockServer(tmp_path, "fast", "--ttft-ms", "5", "--itl-ms", "8")
+    slow = MockServer(tmp_path, "slow", "--ttft-ms", "5", "--itl-ms", "16")
+    out = tmp_path / "run" / "steptime"
+    args = ["--out", str(out), "--batch", "2", "3", "--decode-steps", "12", "--short-tokens", "2",
+            "--prefill-batch", "2", "--prefill-words", "30", f"fast={fast.port}",
+            f"slow={slow.port}"]  # fmt: skip
+    try:
+        assert steptime.main([*args, "--repeats", "2"]) == 0
+        first = json.loads((out / "steptime.json").read_text())
+        assert steptime.main([*args, "--repeats", "3"]) == 0
+        with pytest.raises(SystemExit, match="other settings"):
+            steptime.main([*args, "--repeats", "3", "--decode-steps", "20"])
+    finally:
+        fast.stop()
+        slow.stop()
+    res = json.loads((out / "steptime.json").read_text())
+    assert res["arms"] == ["fast", "slow"]
+    timed = [s for s in res["samples"] if s["rep"] >= 0]
+    assert len(timed) == 3 * 2 * 3  # shapes x arms x repeats
+    assert {(s["shape"], s["rep"], s["arm"]) for s in timed} >= {
+        (s["shape"], s["rep"], s["arm"]) for s in first["samples"] if s["rep"] >= 0
+    }
+    # ABBA: the arms swap places every repeat.
+    order = [s["arm"] for s in res["samples"] if s["shape"] == "decode-2" and s["rep"] in (0, 1)]
+    assert order == ["fast", "slow", "slow", "fast"]
+    for s in timed:
+        if s["kind"] == "decode":
+            itl = 8e-3 if s["arm"] == "fast" else 16e-3
+            assert 0.5 * itl < s["step_s"] < 2 * itl  # the injected per-token time, recovered
+    summary = report._steptimes(tmp_path / "run")
+    row = next(x for x in summary if x.startswith("| decode-3 |"))
+    ratio = float(row.split("|")[-2].split()[0])
+    assert 1.4 < ratio < 2.8, row
+    # A server that does not answer: one line, exit 1, the samples so far kept.
+    dead = ["--out", str(tmp_path / "dead"), "--batch", "2", "--prefill-batch", "0",
+            f"gone={free_port()}"]  # fmt: skip
+    assert steptime.main(dead) == 1
+    assert json.loads((tmp_path / "dead" / "steptime.json").read_text())["samples"] == []

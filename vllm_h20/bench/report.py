@@ -1,19 +1,21 @@
 """`vllm-h20 bench report`: sweep directories -> Markdown, CSV, JSON and PNG plots.
 
 The table has the seed write-up's form: per tier, baseline mean +- sample std, candidate
-mean +- std, change in percent; every number comes from the run files, nothing is typed in.
+mean +- std, change in percent, here with its 95 % CI ("not resolved" when it spans 0);
+every number comes from the run files, nothing is typed in.
 """
 
 from __future__ import annotations
 
 import csv
 import re
+import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from .._io import write_json_atomic
-from .stats import Summary, change_pct, summarize
+from .stats import Summary, change_pct, summarize, welch_ratio_ci
 from .sweep import MANIFEST, read_run
 
 RUN_FILE = re.compile(r"^c\d+-r\d+\.json$")
@@ -125,6 +127,19 @@ def _pct(x: float | None) -> str:
     return f"{x:+.1f}%".replace("-", "−")
 
 
+def change(base: list[float], cand: list[float]) -> tuple[str, bool]:
+    """The change of the mean against the baseline's, with the 95 % CI of the ratio of geometric
+    means over runs (Welch); whether it is resolved (a CI that excludes 0). One run on either
+    side gives no interval and is never resolved."""
+    pct = _pct(change_pct(statistics.fmean(base), statistics.fmean(cand)))
+    if len(base) < 2 or len(cand) < 2:
+        return f"{pct} (n {len(base)}/{len(cand)}: no CI)", False
+    ci = welch_ratio_ci(cand, base)
+    lo, hi = _pct(100 * (ci.low - 1)), _pct(100 * (ci.high - 1))
+    verdict = "" if ci.resolved else ", not resolved"
+    return f"{pct} (CI {lo} to {hi}{verdict})", ci.resolved
+
+
 def order(s: Sweeps, baseline: str | None) -> list[str]:
     names = list(s.targets)
     if baseline is None:
@@ -146,7 +161,9 @@ def markdown(s: Sweeps, names: list[str], cs: dict[str, dict[int, Cell]], compar
         f"Concurrency tiers {', '.join(map(str, spec['concurrency']))}; {spec['warmup_s']:g} s "
         f"warmup + {spec['measure_s']:g} s measured; {spec['runs']} run(s) per tier. "
         f"Throughput ({unit}) from {src} over each measurement window; values are the "
-        f"mean ± sample std over runs.",
+        f"mean ± sample std over runs. Changes: of the mean, against the first target, with "
+        f"the 95 % CI of the ratio over runs (Welch t on log throughput); a CI that spans 0 "
+        f"is not resolved, and one run gives none.",
         "",
         *_throughput_table(names, cs, tiers, unit, compare),
         "",
@@ -190,9 +207,7 @@ def _throughput_table(
             b = cs.get(base, {}).get(c)
             for n in names[1:]:
                 x = cs.get(n, {}).get(c)
-                row.append(
-                    _pct(change_pct(b.throughput.mean, x.throughput.mean)) if b and x else "—"
-                )
+                row.append(change(b.values, x.values)[0] if b and x else "—")
         lines.append("| " + " | ".join(row) + " |")
     return lines
 
@@ -360,8 +375,9 @@ def _change_labels(ax, names: list[str], cs: dict[str, dict[int, Cell]]) -> None
             b = base.get(c)
             if b is None or not b.throughput.mean or cell.throughput.mean is None:
                 continue
-            change = cell.throughput.mean / b.throughput.mean - 1
-            ax.text(c, 0.98 - line * i, f"{n} {_pct(100 * change)}", ha=align[c],
+            rel = cell.throughput.mean / b.throughput.mean - 1
+            mark = "" if change(b.values, cell.values)[1] else " (n.r.)"
+            ax.text(c, 0.98 - line * i, f"{n} {_pct(100 * rel)}{mark}", ha=align[c],
                     va="top", fontsize=7, color=f"C{i}",
                     transform=ax.get_xaxis_transform())  # fmt: skip
 

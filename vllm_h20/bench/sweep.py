@@ -296,7 +296,26 @@ def _results(
         extra = f" (scrape errors: {recorder.errors[0]})" if recorder.errors else ""
         return f"server counters: {e}{extra}"
     rec["throughput"] = rec["server"][f"{spec.throughput}_tok_s"]
+    covered = rec["server"]["seconds"]
+    if short_window(covered, w1 - w0, recorder.interval):
+        rec["short_window"] = True
+        extra = f"; scrape errors: {recorder.errors[0]}" if recorder.errors else ""
+        return (f"server counters cover {covered:.1f} s of the {w1 - w0:.1f} s window, under "
+                f"{MIN_COVERAGE:.0%} of what {recorder.interval:g} s scrapes can cover (a "
+                f"scrape was late or failed{extra})")  # fmt: skip
     return None
+
+
+# A run's throughput is the counters' change between the first and the last scrape inside
+# GuideLLM's window, so the scrape grid alone leaves up to one interval uncovered at each end.
+MIN_COVERAGE = 0.95
+
+
+def short_window(covered: float, window: float, interval: float) -> bool:
+    """Whether the counters saw too little of the window to stand for it: less than
+    MIN_COVERAGE of the window less the two intervals the scrape grid may miss (round 3's
+    fix c256 run: 8.3 of 12 s after a failed scrape, published as if it were the window)."""
+    return covered < MIN_COVERAGE * max(0.0, window - 2 * interval)
 
 
 @dataclass
@@ -327,7 +346,8 @@ def sweep(
 
     A run whose GuideLLM stalls is run once more at once, with new prompts: GuideLLM
     sometimes never finishes a benchmark that has ended (vllm-project/guidellm#431, #1152;
-    seen here with 0.8.1, and a rerun completes)."""
+    seen here with 0.8.1, and a rerun completes). So is a run whose server counters cover too
+    little of GuideLLM's window (short_window)."""
     if source not in SOURCES:
         raise SweepError(f"--throughput-source {source}: expected one of {SOURCES}")
     man = prepare(out, spec, targets, tokenizer, source, resume, dry_run)
@@ -352,7 +372,7 @@ def sweep(
         for _ in range(2):
             rec = measure(out, spec, by_name[k.target], model, k, tokenizer, source,
                           scrape_interval, stall_timeout)  # fmt: skip
-            if not rec.get("stalled"):
+            if not (rec.get("stalled") or rec.get("short_window")):
                 break
         if rec["status"] == "ok":
             res.ok += 1
