@@ -559,3 +559,16 @@ def test_steptime_recovers_each_servers_per_token_latency_and_resumes(tmp_path):
             f"gone={free_port()}"]  # fmt: skip
     assert steptime.main(dead) == 1
     assert json.loads((tmp_path / "dead" / "steptime.json").read_text())["samples"] == []
+
+
+def test_h20_projection_rebuilds_from_committed_files():
+    """The published projection is what h20_projection.py renders from the committed kernel
+    run and round-4 profile (nothing typed in), and it projects the fix ahead of stock."""
+    proj = load_script(HERE / "h20_projection.py", "serve_h200_h20_projection")
+    text = proj.render()
+    assert text == (RESULTS / "h20-projection" / "README.md").read_text()
+    rows = [ln for ln in text.splitlines() if ln.startswith("| c")]
+    assert len(rows) == 3 * len(proj.ROUTINGS)
+    for row in rows:
+        lo, hi = row.split(" | ")[5].rstrip("x").split("-")
+        assert 1.0 < float(lo) <= float(hi)
