@@ -46,7 +46,9 @@ import run as single  # noqa: E402
 
 from vllm_h20.moe.expected_m import per_expert_expected_m  # noqa: E402
 
-VARIANTS = ("stock", "patched")
+VARIANTS = ("stock", "patched")  # the builds (run.py's builder: stock and patched sources)
+# The columns, in run.py's vocabulary: stock and fix (the patched build's per-expert dispatch).
+VERSIONS = ("stock", "fix")
 WARMUPS, SAMPLES = single.WARMUPS, single.SAMPLES
 
 
@@ -118,7 +120,7 @@ def run_case(gpu, mods, routing: str, tokens: int, rank: int) -> dict:
     fixed = per_expert_expected_m(tokens, cases.TOP_K, cases.LOCAL, cases.EP)
     rc = {
         "stock": single.RankCase(gpu, mods["stock"], tokens, counts, tokens, seed=rank),
-        "patched": single.RankCase(gpu, mods["patched"], tokens, counts, fixed, seed=rank),
+        "fix": single.RankCase(gpu, mods["patched"], tokens, counts, fixed, seed=rank),
     }
     nrows = int(counts.sum())
     outs = {v: torch.empty(tokens, fc2.n, dtype=torch.bfloat16, device="cuda") for v in rc}
@@ -178,9 +180,9 @@ def run_case(gpu, mods, routing: str, tokens: int, rank: int) -> dict:
     return {
         "routing": routing, "tokens": tokens, "rank": rank, "rows": nrows,
         "max_rows_per_expert": int(counts.max()),
-        "expected_m": {"stock": tokens, "patched": fixed}, "rel_err": errs,
+        "expected_m": {"stock": tokens, "fix": fixed}, "rel_err": errs,
         "combined_rel_err": {v: single.rel(combined[v], ref) for v in rc},
-        "combined_agreement": single.rel(combined["patched"], combined["stock"]),
+        "combined_agreement": single.rel(combined["fix"], combined["stock"]),
         "combine_mode": mode,
         "times": t,
     }  # fmt: skip
@@ -205,8 +207,8 @@ def rank_main(rank: int, world: int, args, port: int, results: str) -> None:
         if rank == 0:
             r = rows_out[-1]["times"]
             single.log(f"{routing:8s} {tokens:5d}: rank 0 compute stock "
-                       f"{statistics.median(r['stock']['compute']) * 1e3:.3f} ms, patched "
-                       f"{statistics.median(r['patched']['compute']) * 1e3:.3f} ms")  # fmt: skip
+                       f"{statistics.median(r['stock']['compute']) * 1e3:.3f} ms, fix "
+                       f"{statistics.median(r['fix']['compute']) * 1e3:.3f} ms")  # fmt: skip
     gathered = [None] * world if rank == 0 else None
     dist.gather_object(rows_out, gathered, dst=0)
     if rank == 0:  # a file, not a queue: a full pipe would block the child the parent joins
@@ -220,16 +222,16 @@ def aggregate(per_rank: list[list[dict]], world: int) -> list[dict]:
         rr = [per_rank[r][i] for r in range(world)]
         row = {"routing": first["routing"], "tokens": first["tokens"],
                "expected_m": first["expected_m"], "ranks": rr}  # fmt: skip
-        for v in VARIANTS:
+        for v in VERSIONS:
             comp = [x["times"][v]["compute"] for x in rr]
             layer = [x["times"][v]["layer"] for x in rr]
             row[f"{v}_compute_s"] = slowest_median(comp)
             row[f"{v}_layer_s"] = slowest_median(layer)
             row[f"{v}_combine_s"] = exposed(layer, comp)
             row[f"{v}_rank_compute_median_s"] = [statistics.median(c) for c in comp]
-        row["compute_speedup"] = row["stock_compute_s"] / row["patched_compute_s"]
-        row["layer_speedup"] = row["stock_layer_s"] / row["patched_layer_s"]
-        row["max_rel_err"] = max(max(x["rel_err"][v].values()) for x in rr for v in VARIANTS)
+        row["compute_speedup"] = row["stock_compute_s"] / row["fix_compute_s"]
+        row["layer_speedup"] = row["stock_layer_s"] / row["fix_layer_s"]
+        row["max_rel_err"] = max(max(x["rel_err"][v].values()) for x in rr for v in VERSIONS)
         row["max_combined_rel_err"] = max(max(x["combined_rel_err"].values()) for x in rr)
         row["combine_mode"] = sorted({x["combine_mode"] for x in rr})
         row["ok"] = row["max_rel_err"] < 1e-2 and row["max_combined_rel_err"] < 1e-2
@@ -261,19 +263,19 @@ def markdown(result: dict) -> str:
         "routing-weighted) + NCCL all-reduce, as a CUDA graph. 5 warm-ups, 24 samples, all "
         "ranks released by one barrier per sample; compute: median over samples of the slowest "
         "rank; combine: median of (slowest layer - slowest compute), i.e. what the combine "
-        "adds after the slowest rank. Speedups are stock / patched.",
+        "adds after the slowest rank. Speedups are stock / fix.",
         "",
-        "| routing | tokens | expected_m stock -> patched | stock compute ms | patched compute "
-        "ms | compute x | stock combine ms | patched combine ms | layer x | check |",
+        "| routing | tokens | expected_m stock -> fix | stock compute ms | fix compute "
+        "ms | compute x | stock combine ms | fix combine ms | layer x | check |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in result["ab"]:
         m = r["expected_m"]
         lines.append(
-            f"| {r['routing']} | {r['tokens']} | {m['stock']} -> {m['patched']} | "
-            f"{r['stock_compute_s'] * 1e3:.3f} | {r['patched_compute_s'] * 1e3:.3f} | "
+            f"| {r['routing']} | {r['tokens']} | {m['stock']} -> {m['fix']} | "
+            f"{r['stock_compute_s'] * 1e3:.3f} | {r['fix_compute_s'] * 1e3:.3f} | "
             f"{r['compute_speedup']:.2f} | {r['stock_combine_s'] * 1e3:.3f} | "
-            f"{r['patched_combine_s'] * 1e3:.3f} | {r['layer_speedup']:.2f} | "
+            f"{r['fix_combine_s'] * 1e3:.3f} | {r['layer_speedup']:.2f} | "
             f"{'ok' if r['ok'] else 'FAIL'} ({r['max_rel_err']:.1e}, "
             f"{r['max_combined_rel_err']:.1e}) |"
         )
@@ -291,6 +293,19 @@ def markdown(result: dict) -> str:
         "turn: [moe_dispatch_h200.md](moe_dispatch_h200.md).",
     ]
     return "\n".join(lines) + "\n"
+
+
+def vocabulary(result: dict) -> dict:
+    """A result in today's column names: runs before 2026-12-03 called the fix "patched"."""
+
+    def fix(key: str) -> str:
+        return "fix" + key[len("patched") :] if key.startswith("patched") else key
+
+    for r in result["ab"]:
+        for k in [k for k in r if k.startswith("patched")]:
+            r[fix(k)] = r.pop(k)
+        r["expected_m"] = {fix(k): v for k, v in r["expected_m"].items()}
+    return result
 
 
 def free_port() -> int:
@@ -311,7 +326,8 @@ def main() -> None:
                     help="CPU: write JSON's Markdown table beside it, then exit")  # fmt: skip
     args = ap.parse_args()
     if args.render:
-        args.render.with_suffix(".md").write_text(markdown(json.loads(args.render.read_text())))
+        result = vocabulary(json.loads(args.render.read_text()))
+        args.render.with_suffix(".md").write_text(markdown(result))
         return
     if not args.flashinfer or not args.out:
         ap.error("--flashinfer and --out are required")
@@ -372,13 +388,13 @@ def main() -> None:
 
     modes = sorted({m for r in rows for m in r["combine_mode"]})
     print(f"\nEP ranks run concurrently: {world} of {cases.EP}; combine: {', '.join(modes)}")
-    print("routing  tokens  stock ms (compute+combine)  patched ms (compute+combine)  "
+    print("routing  tokens  stock ms (compute+combine)  fix ms (compute+combine)  "
           "compute x  layer x  check")  # fmt: skip
     for r in rows:
         print(f"{r['routing']:8s} {r['tokens']:6d}  "
               f"{r['stock_compute_s'] * 1e3:8.3f} + {r['stock_combine_s'] * 1e3:6.3f}"
-              f"           {r['patched_compute_s'] * 1e3:8.3f} + "
-              f"{r['patched_combine_s'] * 1e3:6.3f}"
+              f"           {r['fix_compute_s'] * 1e3:8.3f} + "
+              f"{r['fix_combine_s'] * 1e3:6.3f}"
               f"         {r['compute_speedup']:6.2f}  {r['layer_speedup']:6.2f}  "
               f"{'ok' if r['ok'] else 'FAIL'}")  # fmt: skip
     ok = all(r["ok"] for r in rows)
