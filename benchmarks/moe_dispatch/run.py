@@ -126,7 +126,24 @@ FITTED_HOOKS = (
 # The shipped series since 2026-12-03 (whole-expert tiles: plan_row_classes with the GPU's ridge;
 # kind "classes"): those hooks and the previous plan in front of its own.
 CLASS_PLAN_LINE = "  uint32_t const busiest = busiest_balanced_rows(expected_m);"
-CLASS_HOOKS = (*SHIPPED_HOOKS, (CLASS_PLAN_LINE, PREV_PLAN + CLASS_PLAN_LINE))
+# ... and two alternatives to its two-class split, for --explore (rule modes 6 and 7): the hot
+# class launched first with the cold one overlapping its tail (with concentrated routing the
+# cold launch is the empty one), and one swap-A/B launch sized for max_m up to 128 rows (below
+# an H200's ridge a wide row tile costs little MMA time).
+CLASS_SPLIT = (
+    "    run_swap_ab(plan.cold_m, {1, plan.boundary});\n"
+    "    run_regular(plan.hot_m, {plan.boundary + 1, deep_gemm::kAnyRows}, /*overlap=*/true);\n"
+)
+CLASS_SPLIT_HOOK = (
+    "    if (vllm_h20_rule_mode == 6) {\n"
+    "      run_regular(plan.hot_m, {plan.boundary + 1, deep_gemm::kAnyRows});\n"
+    "      run_swap_ab(plan.cold_m, {1, plan.boundary}, /*overlap=*/true);\n"
+    "    } else if (vllm_h20_rule_mode == 7 && max_m_per_problem <= 128) {\n"
+    "      run_swap_ab(max_m_per_problem, {});\n"
+    "    } else {\n" + CLASS_SPLIT.replace("    run", "      run") + "    }\n"
+)
+CLASS_HOOKS = (*SHIPPED_HOOKS, (CLASS_PLAN_LINE, PREV_PLAN + CLASS_PLAN_LINE),
+               (CLASS_SPLIT, CLASS_SPLIT_HOOK))  # fmt: skip
 CANDIDATE = "candidates/fitted-row-tiles"
 
 
@@ -141,7 +158,8 @@ def series_kind(kernel_cuh: str) -> str:
 
 
 CALIB_DECLS = (
-    "extern int vllm_h20_force_branch;\nint vllm_h20_num_sms_override();\n"
+    "extern int vllm_h20_force_branch;\nextern int vllm_h20_rule_mode;\n"
+    "int vllm_h20_num_sms_override();\n"
     "bool vllm_h20_single_launch();\nbool vllm_h20_prev_plan();\n"
     "unsigned vllm_h20_split_rows(unsigned);\n"
     "void vllm_h20_prev_row_classes(unsigned, unsigned, unsigned, unsigned&, unsigned&,\n"
@@ -271,6 +289,15 @@ EXPLORE = (
     Version("fix", "patched", "fixed"),
     Version("split", "calib", "fixed", SPLIT),
     Version("split_co", "calib", "fixed", (5, 128)),
+)
+# --explore on the shipped series: its two-class split against the hot class first (mode 6) and
+# one swap-A/B launch sized for max_m up to 128 rows (mode 7), every output checked as usual.
+CLASS_EXPLORE = (
+    Version("stock", "stock", "stock"),
+    Version("avg", "calib", "fixed", AVG_ONLY),
+    Version("fix", "patched", "fixed"),
+    Version("hot_first", "calib", "fixed", (6, 0)),
+    Version("one_swap", "calib", "fixed", (7, 0)),
 )
 # The emulations' columns, all from the calib build (one module per process).
 EMU_VERSIONS = (
@@ -847,7 +874,9 @@ def main() -> None:
                     help=f"patch series under patches/flashinfer/ to build (default: the shipped "
                          f"one), e.g. {CANDIDATE}")  # fmt: skip
     ap.add_argument("--explore", action="store_true",
-                    help="other versions: the previous plan and the split with the largest "
+                    help="other versions: with the shipped series, its split with the hot class "
+                         "first and one swap-A/B launch up to 128 rows; with the fitted-tile "
+                         "series, the previous plan and the split with the largest "
                          "shared-memory carveout for every kernel")  # fmt: skip
     ap.add_argument("--emulate-child", default="", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -899,9 +928,10 @@ def main() -> None:
     if args.tokens:
         token_list = tuple(int(x) for x in args.tokens.split(","))
     procs = min(args.jobs, 16)
-    if args.explore and not candidate:
-        raise SystemExit(f"--explore needs the fitted-row-tile series (--series {CANDIDATE})")
-    run_versions = (EXPLORE if args.explore else CANDIDATE_VERSIONS if candidate
+    if args.explore and kind not in ("fitted", "classes"):
+        raise SystemExit(f"--explore needs the shipped series or --series {CANDIDATE}")
+    explore = EXPLORE if candidate else CLASS_EXPLORE
+    run_versions = (explore if args.explore else CANDIDATE_VERSIONS if candidate
                     else CLASS_VERSIONS if kind == "classes" else VERSIONS)  # fmt: skip
     jobs = [] if args.no_main else warm_jobs(run_versions, token_list)
     forces = (1, -1, 2) if candidate else (1, -1)

@@ -106,6 +106,12 @@ recipe_of() { case $1 in
 # Written once a V4 checkpoint is complete (before verify), for `serve` to wait on.
 ready_of() { case $1 in v4hum|v4marlin) echo "$SH/v4/release.ready" ;; *) echo "$SH/v4/converted.ready" ;; esac; }
 healthy() { curl -sf -m 2 "localhost:$(port "$1")/health" >/dev/null; }
+# Servers and the load generators on separate CPU sets, so a client's work never steals a
+# server's core (SERVER_CPUS / CLIENT_CPUS, default: all but the last 4 cores / the last 4).
+ncpu=$(nproc)
+SERVER_CPUS=${SERVER_CPUS:-0-$(( ncpu > 8 ? ncpu - 5 : ncpu - 1 ))}
+CLIENT_CPUS=${CLIENT_CPUS:-$(( ncpu > 8 ? ncpu - 4 : 0 ))-$(( ncpu - 1 ))}
+pin() { if command -v taskset >/dev/null; then echo taskset -c "$1"; fi; }
 # Whether a background step (v4prep, v4probe) still runs: its pid file, not pgrep -f, since a
 # caller's own command line may name the step.
 running() { [ -f "$SH/$1.pid" ] && kill -0 "$(cat "$SH/$1.pid")" 2>/dev/null; }
@@ -219,7 +225,7 @@ serve)
         # otherwise), and vLLM's CUTLASS one rejects the release's E8M0 scales (dispatch_scaled_mm).
         case $n in v4*) envs+=(VLLM_DISABLED_KERNELS=FlashInferFp8DeepGEMMDynamicBlockScaledKernel) ;; esac
         printf '%s\n' "${envs[@]}" > "$SH/logs/$n.env"  # what each server ran under
-        env "${envs[@]}" setsid vllm-h20 serve "$(recipe_of "$n")" --model "$m" --gpu h200 \
+        env "${envs[@]}" setsid $(pin "$SERVER_CPUS") vllm-h20 serve "$(recipe_of "$n")" --model "$m" --gpu h200 \
             -- "${args[@]}" \
             > "$SH/logs/$n.log" 2>&1 < /dev/null &
         echo "$n: started on port $p"
@@ -339,7 +345,8 @@ steptime)
     nvidia-smi --query-gpu=timestamp,clocks.sm,clocks.mem,power.draw,temperature.gpu,utilization.gpu \
         --format=csv -l 1 >> "$SH/steptime/nvidia-smi.csv" 2>/dev/null &
     smi=$!
-    python3 benchmarks/serve_h200/steptime.py --out "$SH/steptime" ${STEPTIME_ARGS:-} "${specs[@]}"
+    $(pin "$CLIENT_CPUS") python3 benchmarks/serve_h200/steptime.py --out "$SH/steptime" \
+        ${STEPTIME_ARGS:-} "${specs[@]}"
     rc=$?
     kill "$smi" 2>/dev/null
     exit $rc
@@ -349,7 +356,7 @@ sweep)
     targets=(); for n in "$@"; do targets+=(--target "$n=http://127.0.0.1:$(port "$n")"); done
     name=$(basename "$spec" .yaml)${TAG:+-$TAG}   # TAG: another set of targets, same spec
     resume=(); [ -d "$SH/runs/$name" ] && resume=(--resume)
-    vllm-h20 bench sweep "$spec" "${targets[@]}" --tokenizer "$(model_of "$1")" \
+    $(pin "$CLIENT_CPUS") vllm-h20 bench sweep "$spec" "${targets[@]}" --tokenizer "$(model_of "$1")" \
         --out "$SH/runs/$name" "${resume[@]}"
     ;;
 jitsave)

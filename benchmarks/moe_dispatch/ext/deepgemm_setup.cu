@@ -20,8 +20,10 @@ int vllm_h20_force_branch = 0;
 // patch decides for this GPU); 1 = one launch chosen from expected_m (the average-only fix,
 // patch 0001 alone); 3 = the previous per-expert plan (two row classes: swap-A/B tiles sized for
 // the busiest expert of balanced routing, the regular kernel above a boundary; one launch up to
-// 128 tokens); 4 / 5 = 3 / 0 with the largest carveout. split_rows (mode 0, 5): 0 = the patch's
-// own; else a second, regular launch for the
+// 128 tokens); 4 / 5 = 3 / 0 with the largest carveout; whole-expert-tile series only: 6 = its
+// two row classes with the hot (regular) launch first and the cold one overlapping it, 7 = one
+// swap-A/B launch sized for max_m when max_m <= 128 (else the split). split_rows (mode 0, 5):
+// 0 = the patch's own; else a second, regular launch for the
 // experts with more than 128 rows whenever the token count exceeds it.
 int vllm_h20_rule_mode = 0, vllm_h20_rule_split_rows = 0;
 
@@ -31,7 +33,7 @@ bool vllm_h20_prev_plan() { return vllm_h20_rule_mode == 3 || vllm_h20_rule_mode
 
 // Modes 4 and 5: mode 3 / 0 with every kernel preferring the largest shared-memory carveout, so
 // consecutive kernels of other shared-memory sizes never make the SMs reconfigure.
-bool vllm_h20_carveout() { return vllm_h20_rule_mode >= 4; }
+bool vllm_h20_carveout() { return vllm_h20_rule_mode == 4 || vllm_h20_rule_mode == 5; }
 
 unsigned vllm_h20_split_rows(unsigned patch_rows) {
   return vllm_h20_rule_split_rows > 0 ? unsigned(vllm_h20_rule_split_rows) : patch_rows;
