@@ -234,3 +234,33 @@ def test_run_folder_readme_is_rendered_from_its_files(tmp_path):
     # The seed's two numbers the model was not calibrated on, within 15 %.
     offs = re.findall(r"\| uniform (?:192|2048) \|.*\| ([+-]\d+) % \|", text)
     assert len(offs) == 2 and all(abs(int(o)) <= 15 for o in offs), offs
+
+
+def _cells(line: str) -> list[str]:
+    return [c.strip().strip("*").split(" ")[0] for c in line.strip().strip("|").split("|")]
+
+
+def test_explore_table_is_rendered_from_the_three_runs(tmp_path):
+    """explore-split-order-h200/table.md: explore_table.py on the folder's three runs, as its
+    first line says; the composed rule takes each cell from the version it names."""
+    folder = RESULTS / "moe_dispatch" / "explore-split-order-h200"
+    want = (folder / "table.md").read_text()
+    command = want.splitlines()[0].strip("`").split()[2:]
+    out = tmp_path / "table.md"
+    script = str(HERE / "explore_table.py")
+    r = subprocess.run([sys.executable, script, *command, "--out", str(out)],
+                       capture_output=True, text=True, timeout=120, cwd=folder)  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    assert out.read_text() == want
+    lines = want.splitlines()
+    head = _cells(next(ln for ln in lines if ln.startswith("| routing |")))
+    one_swap, hot_first = head.index("one_swap"), head.index("hot_first")
+    composed = head.index("hot_first+one_swap")
+    rows = [_cells(ln) for ln in lines if re.match(r"\| [a-z_0-9]+ \| \d+ \|", ln)]
+    assert len(rows) == 36
+    for row in rows:
+        src = one_swap if int(row[1]) <= 32 else hot_first
+        assert row[composed] == row[src]
+    bad = subprocess.run([sys.executable, script, "run1.json.gz", "--compose", "x=a,b"],
+                         capture_output=True, text=True, cwd=folder)  # fmt: skip
+    assert bad.returncode != 0 and "expected NAME=A@TOKENS,B" in bad.stderr
