@@ -29,14 +29,14 @@ REPO = HERE.parents[1]
 RESULTS = REPO / "benchmarks" / "results"
 KERNEL_RUN = RESULTS / "moe_dispatch" / "whole-expert-tiles-v2-h200"
 PROFILES = RESULTS / "serve_h200" / "round4-step-time" / "check"
-LAYERS = 40  # V4.1-Flash (../../shared/DESIGN.md: 40 layers); all counted as MoE layers
+LAYERS = 40  # V4.1-Flash has 40 layers; all counted as MoE layers (an upper bound on MoE time)
 TP = 8
 H20_OVER_H200_BW = 4.0 / 4.8
 PROFILED_STEPS = 12  # the profiler's schedule in h200.sh
 # Layers of the round-4 test model: 1 dense + 2 MoE (LAYERS=3 in h200.sh weights).
 TEST_MODEL_LAYERS = 3
-# Seed write-up, 8xH20, vLLM v0.30.0: decode output tok/s, Humming W4A8 -> tuned FP8 (the fix
-# with its other tuning), 3 runs each (../../shared/DESIGN.md, "Numbers to beat").
+# The seed write-up (8xH20, vLLM v0.30.0, GuideLLM 0.7.4): decode output tok/s, Humming W4A8 ->
+# tuned FP8 (the fix with the rest of its recipe), mean of 3 runs each.
 SEED_DECODE = {64: (2507, 4214), 128: (3840, 5769), 256: (4725, 6459)}
 ROUTINGS = ("uniform", "trained")
 
@@ -100,7 +100,8 @@ def render() -> str:
         "the rest of a layer from [round 4](../round4-step-time/README.md)'s stock profile "
         f"({rest_h200 * 1e3:.3f} ms per layer on the H200), on H20 "
         f"{rest['TP8'] * 1e3:.3f} ms (split over TP8) to {rest['TP1'] * 1e3:.3f} ms (not "
-        f"split); {LAYERS} MoE layers; no communication, no speculative decoding.",
+        f"split); {LAYERS} layers, each counted as a MoE layer; no communication, no "
+        "speculative decoding.",
         "",
         "| tier | routing | MoE per layer, stock / fix (ms) | step, stock (ms) | step, fix (ms) "
         "| fix / stock step | projected tok/s, stock -> fix | seed: Humming -> tuned FP8 |",
