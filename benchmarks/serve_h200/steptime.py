@@ -36,14 +36,11 @@ WORDS = ("expert", "router", "kernel", "tensor", "cache", "token", "batch", "sca
          "stream", "graph", "warp", "tile", "shard", "layer", "gate", "weight")  # fmt: skip
 
 
-IDENTICAL = False  # --identical: every request of a batch the same prompt (greedy: same tokens)
-
-
-def prompts(seed: int, n: int, words: int) -> list[str]:
-    """n prompts of `words` words, unique to this seed (a number and shuffled words); with
-    --identical n copies of one, so every token of a decode step routes to the same experts."""
+def prompts(seed: int, n: int, words: int, identical: bool = False) -> list[str]:
+    """n prompts of `words` words, unique to this seed (a number and shuffled words); identical:
+    n copies of one (--identical: greedy, every token of a decode step on the same experts)."""
     rng = random.Random(seed)
-    if IDENTICAL:
+    if identical:
         return [f"{seed}: " + " ".join(rng.choice(WORDS) for _ in range(words))] * n
     return [f"{seed}-{i}: " + " ".join(rng.choice(WORDS) for _ in range(words)) for i in range(n)]
 
@@ -74,28 +71,29 @@ def batch_wall(url: str, model: str, texts: list[str], tokens: int, timeout: flo
 def shapes(a) -> list[dict]:
     """The measured shapes: decode at each batch, then the prefill pair."""
     out = [{"shape": f"decode-{b}", "kind": "decode", "batch": b, "short_tokens": a.short_tokens,
-            "long_tokens": a.short_tokens + a.decode_steps, "words": a.decode_words}
-           for b in a.batch]  # fmt: skip
+            "long_tokens": a.short_tokens + a.decode_steps, "words": a.decode_words,
+            "identical": a.identical} for b in a.batch]  # fmt: skip
     if a.prefill_batch:
         name = f"prefill-{a.prefill_batch}x{a.prefill_words}w"
         out.append({"shape": name, "kind": "prefill", "batch": a.prefill_batch,
-                    "short_words": 2, "words": a.prefill_words})  # fmt: skip
+                    "short_words": 2, "words": a.prefill_words,
+                    "identical": a.identical})  # fmt: skip
     return out
 
 
 def sample(url: str, model: str, shape: dict, seed: int, timeout: float) -> dict:
-    b = shape["batch"]
+    b, same = shape["batch"], shape["identical"]
     if shape["kind"] == "decode":
-        short = batch_wall(url, model, prompts(seed, b, shape["words"]), shape["short_tokens"],
-                           timeout)  # fmt: skip
-        long = batch_wall(url, model, prompts(seed + 1, b, shape["words"]), shape["long_tokens"],
-                          timeout)  # fmt: skip
+        short = batch_wall(url, model, prompts(seed, b, shape["words"], same),
+                           shape["short_tokens"], timeout)  # fmt: skip
+        long = batch_wall(url, model, prompts(seed + 1, b, shape["words"], same),
+                          shape["long_tokens"], timeout)  # fmt: skip
         steps = shape["long_tokens"] - shape["short_tokens"]
         return {"short_s": short["wall_s"], "long_s": long["wall_s"], "steps": steps,
                 "step_s": (long["wall_s"] - short["wall_s"]) / steps,
                 "prompt_tokens": long["prompt_tokens"]}  # fmt: skip
-    short = batch_wall(url, model, prompts(seed, b, shape["short_words"]), 1, timeout)
-    long = batch_wall(url, model, prompts(seed + 1, b, shape["words"]), 1, timeout)
+    short = batch_wall(url, model, prompts(seed, b, shape["short_words"], same), 1, timeout)
+    long = batch_wall(url, model, prompts(seed + 1, b, shape["words"], same), 1, timeout)
     return {"short_s": short["wall_s"], "long_s": long["wall_s"],
             "extra_prompt_tokens": long["prompt_tokens"] - short["prompt_tokens"],
             "step_s": long["wall_s"] - short["wall_s"]}  # fmt: skip
@@ -133,8 +131,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--identical", action="store_true",
                     help="one prompt per batch, greedy: the concentrated-routing case")  # fmt: skip
     a = ap.parse_args(argv)
-    global IDENTICAL
-    IDENTICAL = a.identical
     arms = servers(a.servers)
     a.out.mkdir(parents=True, exist_ok=True)
     path = a.out / "steptime.json"

@@ -1,6 +1,6 @@
 """The statistics the reports print: mean and sample standard deviation over runs, relative
-change, the exact McNemar test for paired right/wrong outcomes, and the confidence interval of
-a ratio measured in pairs (step times of two arms)."""
+change, the exact McNemar test for paired right/wrong outcomes, and 95 % confidence intervals
+of a ratio: measured in pairs (step times of two arms) or in independent runs (sweeps)."""
 
 from __future__ import annotations
 
