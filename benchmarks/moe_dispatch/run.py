@@ -227,6 +227,8 @@ def prepare_sources(data: Path, work: Path, variant: str, series: str = "") -> P
         text = f.read_text()
         hooks = {"fitted": FITTED_HOOKS, "classes": CLASS_HOOKS,
                  "shipped": SHIPPED_HOOKS}[series_kind(text)]  # fmt: skip
+        if CLASS_SPLIT not in text:  # a series with another split (candidates/hot-first)
+            hooks = tuple(h for h in hooks if h[0] != CLASS_SPLIT)
         for line, hook in hooks:
             assert text.count(line) == 1, f"grouped_gemm_dispatch changed: update {line!r}"
             text = text.replace(line, hook)
