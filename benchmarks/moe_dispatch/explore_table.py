@@ -35,6 +35,9 @@ def table(runs: list[dict], compose: dict[str, tuple[str, int, str]]) -> tuple[l
                 per[v].setdefault((r["routing"], r["tokens"]), []).append(r["speedups"][v])
     med = {v: {k: statistics.median(x) for k, x in d.items()} for v, d in per.items()}
     for name, (low, upto, high) in compose.items():
+        if unknown := {low, high} - set(med):
+            raise SystemExit(f"explore_table: --compose {name}: no version {', '.join(unknown)} "
+                             f"(the runs have {', '.join(versions)})")  # fmt: skip
         med[name] = {k: med[low][k] if k[1] <= upto else med[high][k] for k in med[low]}
     cols = versions + list(compose)
     lines = ["| routing | tokens | " + " | ".join(cols) + " |", "|---|---:|" + "---:|" * len(cols)]

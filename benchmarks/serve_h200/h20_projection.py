@@ -22,6 +22,7 @@ import argparse
 import importlib.util
 import json
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -41,19 +42,19 @@ SEED_DECODE = {64: (2507, 4214), 128: (3840, 5769), 256: (4725, 6459)}
 ROUTINGS = ("uniform", "trained")
 
 
-def _report_run():
-    """benchmarks/moe_dispatch/report_run.py (its fit of the H20 model), loaded by path."""
-    path = REPO / "benchmarks" / "moe_dispatch" / "report_run.py"
-    spec = importlib.util.spec_from_file_location("moe_dispatch_report_run", path)
+def _load(path: Path, name: str):
+    """A benchmark script loaded by path (they are not a package)."""
+    spec = importlib.util.spec_from_file_location(name, path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
 
 
-def h20_moe(run: Path = KERNEL_RUN) -> tuple[dict, float, callable]:
-    """The H20 model's fits, the fused op's other kernels on H20 (s), and a predictor
-    (routing, tokens, version) -> seconds of the fused op's slowest rank."""
-    rr = _report_run()
+def h20_moe(run: Path = KERNEL_RUN) -> tuple[dict, float, Callable[[str, int, str], float]]:
+    """The H20 model's calibrated tensor rate and bandwidth, the fused op's other kernels on H20
+    (s), and a predictor (routing, tokens, version) -> seconds of the fused op's slowest rank,
+    from report_run.py's fit of the kernel-level run."""
+    rr = _load(REPO / "benchmarks" / "moe_dispatch" / "report_run.py", "moe_dispatch_report_run")
     res = json.loads((run / "kernel_h200.json").read_text())
     fits, _ = rr.fit_h200(res)
     fused = json.loads((run / "fused_h200.json").read_text())
@@ -71,17 +72,10 @@ def h20_moe(run: Path = KERNEL_RUN) -> tuple[dict, float, callable]:
 
 def rest_per_layer_h200(profiles: Path = PROFILES) -> float:
     """Non-MoE-GEMM kernel seconds per layer and step on the H200 (stock server, batch 128)."""
-    rr_split = _serve_report().split
+    rr_split = _load(HERE / "report.py", "serve_h200_report").split
     prof = json.loads((profiles / "profile_stock.json").read_text())
     moe = sum(us for c, us in rr_split(prof).items() if c.startswith("MoE GEMM"))
     return (prof["kernel_us_total"] - moe) * 1e-6 / PROFILED_STEPS / TEST_MODEL_LAYERS
-
-
-def _serve_report():
-    spec = importlib.util.spec_from_file_location("serve_h200_report", HERE / "report.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
 
 
 def render() -> str:

@@ -266,3 +266,6 @@ def test_explore_table_is_rendered_from_the_three_runs(tmp_path):
     bad = subprocess.run([sys.executable, script, "run1.json.gz", "--compose", "x=a,b"],
                          capture_output=True, text=True, cwd=folder)  # fmt: skip
     assert bad.returncode != 0 and "expected NAME=A@TOKENS,B" in bad.stderr
+    typo = subprocess.run([sys.executable, script, "run1.json.gz", "--compose", "x=hot@32,fixx"],
+                          capture_output=True, text=True, cwd=folder)  # fmt: skip
+    assert typo.returncode != 0 and "no version " in typo.stderr and "Traceback" not in typo.stderr
