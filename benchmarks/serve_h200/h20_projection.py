@@ -98,7 +98,7 @@ def render() -> str:
         "speculative decoding.",
         "",
         "| tier | routing | MoE per layer, stock / fix (ms) | step, stock (ms) | step, fix (ms) "
-        "| fix / stock step | projected tok/s, stock -> fix | seed: Humming -> tuned FP8 |",
+        "| step, stock / fix | projected tok/s, stock -> fix | seed: Humming -> tuned FP8 |",
         "|---|---|---|---|---|---|---|---|",
     ]
     for c, (hum, tuned) in SEED_DECODE.items():
@@ -124,7 +124,7 @@ def render() -> str:
         "ones compare in trend, not in value. What "
         "the projection says: on H20 the routed-expert GEMMs would dominate a decode step at "
         "64-256 concurrent requests, and the kernel choice alone would shorten it by the ratio "
-        "in the fix / stock column; the H200's measured 1.10-1.13x (round 4) is smaller because "
+        "in the stock / fix column; the H200's measured 1.10-1.13x (round 4) is smaller because "
         "an H200's tensor cores make stock's padded MMA work cheap.",
         "",
     ]
