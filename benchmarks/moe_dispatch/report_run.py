@@ -372,6 +372,20 @@ def fit_h200(res: dict) -> tuple[dict, int]:
     return fits, sum(len(s) for s in samples.values())
 
 
+def carried_to_h20(res: dict, folder: Path, fits: dict) -> tuple[float, float, float, float, dict]:
+    """The H200 fits carried to H20 and calibrated to the seed: the fused op's other kernels
+    (permute, SwiGLU + requantization, finalize: the fused op's stock time over the kernel-level
+    stock time at uniform 288 tokens, both H200) on the H200 and on H20 (s), the tensor rate and
+    bandwidth that reproduce the seed's uniform-288 times, and the H20 fits."""
+    fused = json.loads((folder / "fused_h200.json").read_text())
+    f288 = next(r for r in fused["ab"] if (r["routing"], r["tokens"]) == ("uniform", 288))
+    k288 = next(r for r in res["ab"] if (r["routing"], r["tokens"]) == ("uniform", 288))
+    overhead_h200 = f288["stock_s"] - k288["stock_s"]
+    overhead = overhead_h200 / H20_OVER_H200_BW
+    tc, bw = model.calibrate_to_seed(fits, overhead, H20_SMS)
+    return overhead_h200, overhead, tc, bw, model.on_device(fits, tc, bw)
+
+
 def model_section(res: dict, folder: Path) -> list[str]:
     sms = res["device"]["sms"]
     fits, n = fit_h200(res)
@@ -383,14 +397,7 @@ def model_section(res: dict, folder: Path) -> list[str]:
         for v in err:
             pred = model.slowest_rank(fits, routing, tokens, v, sms)
             err[v].append(pred / r[f"{column[v]}_s"] - 1)
-    # The fused op's other kernels (permute, SwiGLU + requantization, finalize), measured as the
-    # fused op's stock time over the kernel-level stock time at uniform 288 tokens (both H200).
-    fused = json.loads((folder / "fused_h200.json").read_text())
-    f288 = next(r for r in fused["ab"] if (r["routing"], r["tokens"]) == ("uniform", 288))
-    overhead_h200 = f288["stock_s"] - ab[("uniform", 288)]["stock_s"]
-    overhead = overhead_h200 / H20_OVER_H200_BW
-    tc, bw = model.calibrate_to_seed(fits, overhead, H20_SMS)
-    h20 = model.on_device(fits, tc, bw)
+    overhead_h200, overhead, tc, bw, h20 = carried_to_h20(res, folder, fits)
     out = [
         "Per grouped GEMM `t = c0 + max((weights + r * re-reads) / bw, padded MMA flops / tc)`, "
         "fitted per kernel on this run's single-launch measurements (each rank's median; "

@@ -32,7 +32,6 @@ KERNEL_RUN = RESULTS / "moe_dispatch" / "whole-expert-tiles-v2-h200"
 PROFILES = RESULTS / "serve_h200" / "round4-step-time" / "check"
 LAYERS = 40  # V4.1-Flash has 40 layers; all counted as MoE layers (an upper bound on MoE time)
 TP = 8
-H20_OVER_H200_BW = 4.0 / 4.8
 PROFILED_STEPS = 12  # the profiler's schedule in h200.sh
 # Layers of the round-4 test model: 1 dense + 2 MoE (LAYERS=3 in h200.sh weights).
 TEST_MODEL_LAYERS = 3
@@ -50,19 +49,13 @@ def _load(path: Path, name: str):
     return mod
 
 
-def h20_moe(run: Path = KERNEL_RUN) -> tuple[dict, float, Callable[[str, int, str], float]]:
+def h20_moe(rr, run: Path = KERNEL_RUN) -> tuple[dict, float, Callable[[str, int, str], float]]:
     """The H20 model's calibrated tensor rate and bandwidth, the fused op's other kernels on H20
     (s), and a predictor (routing, tokens, version) -> seconds of the fused op's slowest rank,
-    from report_run.py's fit of the kernel-level run."""
-    rr = _load(REPO / "benchmarks" / "moe_dispatch" / "report_run.py", "moe_dispatch_report_run")
+    from report_run.py's (`rr`) fit of the kernel-level run."""
     res = json.loads((run / "kernel_h200.json").read_text())
     fits, _ = rr.fit_h200(res)
-    fused = json.loads((run / "fused_h200.json").read_text())
-    ab = {(r["routing"], r["tokens"]): r for r in res["ab"]}
-    f288 = next(r for r in fused["ab"] if (r["routing"], r["tokens"]) == ("uniform", 288))
-    overhead = (f288["stock_s"] - ab[("uniform", 288)]["stock_s"]) / H20_OVER_H200_BW
-    tc, bw = rr.model.calibrate_to_seed(fits, overhead, rr.H20_SMS)
-    h20 = rr.model.on_device(fits, tc, bw)
+    _, overhead, tc, bw, h20 = rr.carried_to_h20(res, run, fits)
 
     def predict(routing: str, tokens: int, version: str) -> float:
         return rr.model.slowest_rank(h20, routing, tokens, version, rr.H20_SMS) + overhead
@@ -79,9 +72,11 @@ def rest_per_layer_h200(profiles: Path = PROFILES) -> float:
 
 
 def render() -> str:
-    cal, overhead, predict = h20_moe()
+    rr = _load(REPO / "benchmarks" / "moe_dispatch" / "report_run.py", "moe_dispatch_report_run")
+    cal, overhead, predict = h20_moe(rr)
     rest_h200 = rest_per_layer_h200()
-    rest = {"TP8": rest_h200 / TP / H20_OVER_H200_BW, "TP1": rest_h200 / H20_OVER_H200_BW}
+    ratio = rr.H20_OVER_H200_BW
+    rest = {"TP8": rest_h200 / TP / ratio, "TP1": rest_h200 / ratio}
     lines = [
         "# H20 projection of a V4.1-Flash decode step (on paper, not measured)",
         "",
