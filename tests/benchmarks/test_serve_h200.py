@@ -559,6 +559,8 @@ def test_steptime_recovers_each_servers_per_token_latency_and_resumes(tmp_path):
             f"gone={free_port()}"]  # fmt: skip
     assert steptime.main(dead) == 1
     assert json.loads((tmp_path / "dead" / "steptime.json").read_text())["samples"] == []
+    with pytest.raises(SystemExit, match="expected NAME=PORT or NAME=URL"):
+        steptime.main(["--out", str(tmp_path / "bad"), "fix8001"])
 
 
 def test_h20_projection_rebuilds_from_committed_files():
