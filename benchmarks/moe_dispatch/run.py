@@ -126,16 +126,23 @@ FITTED_HOOKS = (
 # The shipped series since 2026-12-03 (whole-expert tiles: plan_row_classes with the GPU's ridge;
 # kind "classes"): those hooks and the previous plan in front of its own.
 CLASS_PLAN_LINE = "  uint32_t const busiest = busiest_balanced_rows(expected_m);"
-# ... and two alternatives to its two-class split, for --explore (rule modes 6 and 7): the hot
+# ... and alternatives to its two-class split, for --explore (rule modes 6, 7 and 8): the hot
 # class launched first with the cold one overlapping its tail (with concentrated routing the
-# cold launch is the empty one), and one swap-A/B launch sized for max_m up to 128 rows (below
-# an H200's ridge a wide row tile costs little MMA time).
+# cold launch is the empty one); one swap-A/B launch sized for max_m up to 128 rows (below an
+# H200's ridge a wide row tile costs little MMA time); and candidates/hot-first's rule (one
+# swap-A/B launch up to 32 rows, one regular launch up to 64 where 64 rows are under the ridge,
+# else the hot class first).
 CLASS_SPLIT = (
     "    run_swap_ab(plan.cold_m, {1, plan.boundary});\n"
     "    run_regular(plan.hot_m, {plan.boundary + 1, deep_gemm::kAnyRows}, /*overlap=*/true);\n"
 )
 CLASS_SPLIT_HOOK = (
-    "    if (vllm_h20_rule_mode == 6) {\n"
+    "    if (vllm_h20_rule_mode == 8 && max_m_per_problem <= 32) {\n"
+    "      run_swap_ab(max_m_per_problem, {});\n"
+    "    } else if (vllm_h20_rule_mode == 8 && max_m_per_problem <= 64 &&\n"
+    "               64 <= ridge_rows(num_device_sms)) {\n"
+    "      run_regular(max_m_per_problem, {});\n"
+    "    } else if (vllm_h20_rule_mode == 6 || vllm_h20_rule_mode == 8) {\n"
     "      run_regular(plan.hot_m, {plan.boundary + 1, deep_gemm::kAnyRows});\n"
     "      run_swap_ab(plan.cold_m, {1, plan.boundary}, /*overlap=*/true);\n"
     "    } else if (vllm_h20_rule_mode == 7 && max_m_per_problem <= 128) {\n"
@@ -292,14 +299,16 @@ EXPLORE = (
     Version("split", "calib", "fixed", SPLIT),
     Version("split_co", "calib", "fixed", (5, 128)),
 )
-# --explore on the shipped series: its two-class split against the hot class first (mode 6) and
-# one swap-A/B launch sized for max_m up to 128 rows (mode 7), every output checked as usual.
+# --explore on the shipped series: its two-class split against the hot class first (mode 6), one
+# swap-A/B launch sized for max_m up to 128 rows (mode 7) and candidates/hot-first's rule (mode
+# 8), every output checked as usual.
 CLASS_EXPLORE = (
     Version("stock", "stock", "stock"),
     Version("avg", "calib", "fixed", AVG_ONLY),
     Version("fix", "patched", "fixed"),
     Version("hot_first", "calib", "fixed", (6, 0)),
     Version("one_swap", "calib", "fixed", (7, 0)),
+    Version("hot_first_r64", "calib", "fixed", (8, 0)),
 )
 # The emulations' columns, all from the calib build (one module per process).
 EMU_VERSIONS = (

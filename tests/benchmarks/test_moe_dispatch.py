@@ -57,10 +57,10 @@ def test_calibration_hooks_apply_to_the_patched_sources(tmp_path):
             assert ("vllm_h20_single_launch()) {" in text) is (variant == "calib")
             has_prev = variant == "calib" and kind != "shipped"
             assert ("if (vllm_h20_prev_plan()) {" in text) is has_prev
-            # --explore's alternatives to the shipped series' split (rule modes 6 and 7)
+            # --explore's alternatives to the shipped series' split (rule modes 6, 7 and 8)
             # (not for candidates/hot-first, whose split is already in another order)
             explores = variant == "calib" and kind == "classes" and not series
-            assert ("if (vllm_h20_rule_mode == 6) {" in text) is explores
+            assert ("if (vllm_h20_rule_mode == 8 && " in text) is explores
             launchers = (nv / run.FP8_GEMM_CUH).read_text()
             assert ("vllm_h20_grid(num_sms)" in launchers) is (variant == "calib")
             assert run.deepgemm_dir(data, work, variant).endswith("tensorrt_llm")

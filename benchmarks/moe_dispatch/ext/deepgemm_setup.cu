@@ -22,7 +22,9 @@ int vllm_h20_force_branch = 0;
 // the busiest expert of balanced routing, the regular kernel above a boundary; one launch up to
 // 128 tokens); 4 / 5 = 3 / 0 with the largest carveout; whole-expert-tile series only: 6 = its
 // two row classes with the hot (regular) launch first and the cold one overlapping it, 7 = one
-// swap-A/B launch sized for max_m when max_m <= 128 (else the split). split_rows (mode 0, 5):
+// swap-A/B launch sized for max_m when max_m <= 128 (else the split), 8 = candidates/hot-first's
+// rule (one swap-A/B launch up to 32 rows, one regular launch up to 64 where 64 rows are under
+// the GPU's ridge, else mode 6). split_rows (mode 0, 5):
 // 0 = the patch's own; else a second, regular launch for the
 // experts with more than 128 rows whenever the token count exceeds it.
 int vllm_h20_rule_mode = 0, vllm_h20_rule_split_rows = 0;
