@@ -4,8 +4,10 @@
 #
 #   benchmarks/moe_dispatch/h200.sh smoke   # copy the repo, build, a few cases of each kind (~3 min);
 #                                           # on success start `full` in the background (setsid)
+#   benchmarks/moe_dispatch/h200.sh start   # copy the repo and start `full` without the smoke
 #   benchmarks/moe_dispatch/h200.sh full    # kernel-level A/B (every routing x token count),
-#                                           # fused op (FlashInfer's tests + A/B), H20 emulations
+#                                           # H20 emulations, a re-run of the concentrated
+#                                           # routings, fused op (A/B + FlashInfer's tests)
 #   benchmarks/moe_dispatch/h200.sh wait S  # follow the background run for up to S seconds
 #   benchmarks/moe_dispatch/h200.sh collect OUT   # what exists so far, as <= 8 files, into OUT
 #
@@ -15,7 +17,7 @@
 # (moe_dispatch/fetch_sources.py) and the FlashInfer 0.6.14 wheels + tests (fused_moe/stage.py,
 # run with the same VLLM_H20_PATCH_SERIES so that the series' own test is staged).
 set -uo pipefail
-step=${1:?smoke|full|wait|collect}
+step=${1:?smoke|start|full|wait|collect}
 S=/tmp/moe-session
 export PYTHONUNBUFFERED=1
 mkdir -p "$S/out"
@@ -48,21 +50,36 @@ smoke)
     setsid nohup bash benchmarks/moe_dispatch/h200.sh full > "$S/out/full.log" 2>&1 < /dev/null &
     echo "full run started in the background (pid $!)"
     ;;
+start)
+    # `full` in the background without the smoke (when this commit's smoke passed already).
+    copy_repo
+    nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,power.draw,temperature.gpu \
+        --format=csv > "$S/out/nvidia-smi-start.csv"
+    (cd "$S/repo" && setsid nohup bash benchmarks/moe_dispatch/h200.sh full > "$S/out/full.log" 2>&1 \
+        < /dev/null &)
+    echo "full run started in the background"
+    ;;
 full)
     cd "$S/repo" || exit 1
-    # Most important first; every step writes its files as it goes and has a time limit.
+    # Timed work first (nothing else on the GPU meanwhile), FlashInfer's tests (compile-bound)
+    # last; every step writes its files as it goes and has a time limit.
     echo "[$(date +%T)] kernel-level A/B"
     timeout 900 "${RUN[@]}" --out "$S/out/kernel" > "$S/out/kernel.log" 2>&1
     echo "[$(date +%T)] kernel-level A/B: exit $?"
-    echo "[$(date +%T)] fused op: build, FlashInfer's tests on the fix module, A/B"
-    fused() { timeout "$1" bash benchmarks/fused_moe/h200.sh "$2" "$S/out/fused"; }
-    { fused 600 build && MODES=per_expert fused 600 test && fused 600 bench; } \
-        > "$S/out/fused.log" 2>&1
-    echo "[$(date +%T)] fused op: exit $?"
     echo "[$(date +%T)] H20 emulations"
     timeout 600 "${RUN[@]}" --out "$S/out/emulated" --no-main --no-calibration --emulate "${EMULATE:-all}" \
         > "$S/out/emulated.log" 2>&1
     echo "[$(date +%T)] H20 emulations: exit $?"
+    echo "[$(date +%T)] kernel-level A/B again, concentrated routings (the bar's re-run)"
+    timeout 600 "${RUN[@]}" --out "$S/out/kernel-rerun" --no-calibration \
+        --routings "${RERUN_ROUTINGS:-same_rank,same_spread,pool8,pool16,zipf2,zipf,hot}" \
+        > "$S/out/kernel-rerun.log" 2>&1
+    echo "[$(date +%T)] kernel-level A/B again: exit $?"
+    echo "[$(date +%T)] fused op: build, A/B, FlashInfer's tests on the fix module"
+    fused() { timeout "$1" bash benchmarks/fused_moe/h200.sh "$2" "$S/out/fused"; }
+    { fused 600 build && fused 600 bench && MODES=per_expert fused "${TEST_LIMIT:-900}" test; } \
+        > "$S/out/fused.log" 2>&1
+    echo "[$(date +%T)] fused op: exit $?"
     echo "[$(date +%T)] the patch's test on the stock module (it must fail there)"
     MODES=stock fused 600 test > "$S/out/fused-stock-tests.log" 2>&1
     echo "[$(date +%T)] stock-module tests: exit $?"
@@ -77,21 +94,21 @@ wait)
         sleep 1
     done
     cat "$S/out/full.log" 2>/dev/null
-    for f in kernel fused emulated; do
+    for f in kernel emulated kernel-rerun fused; do
         [ -f "$S/out/$f.log" ] && { echo "--- $f.log"; tail -n 4 "$S/out/$f.log"; }
     done
     ;;
 collect)
     OUT=$(realpath -m "${2:?output directory}")
     mkdir -p "$OUT"
-    for part in kernel fused emulated smoke; do
+    for part in kernel kernel-rerun fused emulated smoke; do
         [ -d "$S/out/$part" ] && tar -czf "$OUT/$part.tgz" -C "$S/out" "$part"
     done
     tar -czf "$OUT/logs.tgz" -C "$S/out" $(cd "$S/out" && ls ./*.log ./*.csv 2>/dev/null)
     ls -la "$OUT"
     ;;
 *)
-    echo "unknown step $step (smoke|full|wait|collect)" >&2
+    echo "unknown step $step (smoke|start|full|wait|collect)" >&2
     exit 2
     ;;
 esac
