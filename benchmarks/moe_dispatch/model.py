@@ -217,25 +217,63 @@ def whole_expert_launches(counts, tokens: int, sms: int) -> list[tuple[str, list
 # The regular launch that follows a swap-A/B launch of the same GEMM (programmatic dependent
 # launch): the regular kernel's rates, its own fixed cost (fit_second).
 SECOND = "regular_second"
+# The hot-first candidate's order: the swap-A/B launch follows the regular one.
+SWAP_SECOND = "swap_ab_second"
+# Each second launch's kernel, whose rates it keeps.
+BASE_OF = {SECOND: "regular", SWAP_SECOND: "swap_ab"}
+# The hot-first candidate's single launches (its kOneLaunchRows, kNarrowRegularRows).
+ONE_LAUNCH_ROWS = 32
+NARROW_REGULAR_ROWS = 64
+
+
+def hot_first_launches(counts, tokens: int, sms: int) -> list[tuple[str, list]]:
+    """The hot-first candidate (patches/flashinfer/candidates/hot-first) per GEMM: one swap-A/B
+    launch when every expert fits one tile, or sized for the most rows an expert can hold up to
+    32; one regular launch up to 64 where 64 rows are under the ridge (132-SM parts); else the
+    regular launch for the hot experts first and the swap-A/B one for the rest behind it."""
+    avg = per_expert_expected_m(tokens, cases.TOP_K, cases.LOCAL, cases.EP)
+    out = []
+    for s in cases.SHAPES:
+        tile = tile_rows("swap_ab", busiest_balanced_rows(avg), s.n, sms, len(counts))
+        _, cold_m, boundary = plan_whole_expert(avg, tile, tokens, sms)
+        if tokens <= boundary:
+            out.append(("swap_ab", [gemm_terms(counts, s, cold_m, "swap_ab", sms)]))
+        elif tokens <= ONE_LAUNCH_ROWS:
+            out.append(("swap_ab", [gemm_terms(counts, s, tokens, "swap_ab", sms)]))
+        elif tokens <= NARROW_REGULAR_ROWS <= ridge_rows(sms):
+            out.append(("regular", [gemm_terms(counts, s, tokens, "regular", sms)]))
+        else:
+            cold = np.where(counts <= boundary, counts, 0)
+            hot = np.where(counts > boundary, counts, 0)
+            out.append(("regular", [gemm_terms(hot, s, tokens, "regular", sms)]))
+            out.append((SWAP_SECOND, [gemm_terms(cold, s, cold_m, "swap_ab", sms)]))
+    return out
 
 
 def fit_second(fits: dict, samples: list[tuple[list[tuple[str, list]], float]]) -> dict:
-    """fits with SECOND added: the regular fit with the c0 that best explains (least relative
-    squares) the measured times of whole-expert plans (samples: (launches, seconds)); >= 0."""
+    """fits with each second launch (BASE_OF) added: its kernel's fit with the one c0 that best
+    explains (least relative squares) the measured times of two-launch plans (samples:
+    (launches, seconds)); >= 0."""
     num = den = 0.0
+    seen = set()
     for plan, t in samples:
         base, k = 0.0, 0
         for p, terms in plan:
-            f = fits["regular" if p == SECOND else p]
+            f = fits[BASE_OF.get(p, p)]
             part = f.predict(terms)
-            if p == SECOND:
+            if p in BASE_OF:
+                seen.add(p)
                 part -= f.c0 * len(terms)
                 k += len(terms)
             base += part
         num += k * (t - base) / t**2
         den += k * k / t**2
-    c1 = max(0.0, num / den) if den else fits["regular"].c0
-    return fits | {SECOND: dataclasses.replace(fits["regular"], c0=c1)}
+    seen = seen or {SECOND}
+    out = dict(fits)
+    for p in seen:
+        c1 = max(0.0, num / den) if den else fits[BASE_OF[p]].c0
+        out[p] = dataclasses.replace(fits[BASE_OF[p]], c0=c1)
+    return out
 
 
 def fitted_terms(counts: np.ndarray, shape, widest: int):
@@ -259,9 +297,12 @@ def candidate_launches(counts, tokens: int) -> list[tuple[str, list]]:
 def predict(fits: dict, counts, tokens: int, version: str, sms: int) -> float:
     """Seconds for one rank's FC1 + FC2 under a version (each launch pays its c0): stock,
     fixed (average-only), split (the per-expert plan shipped until 2026-12-03), fitted (the
-    fitted-tile candidate) or classes (the shipped whole-expert-tile plan)."""
+    fitted-tile candidate), classes (the shipped whole-expert-tile plan) or hot_first (its
+    hot-first candidate)."""
     if version == "fitted":
         plan = candidate_launches(counts, tokens)
+    elif version == "hot_first":
+        plan = hot_first_launches(counts, tokens, sms)
     elif version == "classes":
         plan = whole_expert_launches(counts, tokens, sms)
     else:

@@ -57,16 +57,30 @@ CANDIDATES = {
         "fix": "whole-expert tiles (candidate)",
         "fix_again": "whole-expert tiles again (A/A)",
         "series": "candidates/whole-expert-tiles",
-        "reproduce": "`bash benchmarks/moe_dispatch/h200.sh smoke` (then `wait`, `collect`): "
-        "the shipped series since 2026-12-03; the shipped plan before it is "
-        "`candidates/estimated-row-classes`",
+        "reproduce": "`SERIES=candidates/whole-expert-tiles bash benchmarks/moe_dispatch/h200.sh "
+        "smoke` (then `wait`, `collect`): the series shipped on 2026-12-03 (run as the shipped "
+        "one then); the plan shipped before it is `candidates/estimated-row-classes`",
         "short": "whole-expert tiles",
         "lead": "Whole-expert tiles",
         "prev_kernels": "same launches; its row-class kernels are this build's, with the "
         "warp-wide first-tile search and without the spills",
         "title": "the shipped per-expert dispatch and the whole-expert-tile candidate",
     },
+    "hot_first": {
+        "fix": "hot-first (candidate)",
+        "fix_again": "hot-first again (A/A)",
+        "series": "candidates/hot-first",  # what the run built; shipped since 2026-12-04
+        "reproduce": "`EMULATE=emulated_78sm,emulated_h20_40sm bash "
+        "benchmarks/moe_dispatch/h200.sh start` (then `wait`, `collect`; this run had "
+        "`SERIES=candidates/hot-first` in front, the name the series had until it shipped)",
+        "short": "hot-first",
+        "lead": "Hot-first",
+        "prev_kernels": "same launches; its row-class kernels are this build's",
+        "title": "the previous per-expert plan and the hot-first candidate",
+    },
 }
+# Series whose runs predate run.py's name for their kind (recorded as "classes").
+SERIES_KIND = {"candidates/hot-first": "hot_first"}
 BALANCED = cases.BALANCED
 # The seed write-up's H20 fused-op measurements (8 x H20, EP8, average-only fix).
 SEED = (
@@ -97,9 +111,10 @@ def short_of_best(rows: list[dict], v: str) -> list[dict]:
 
 
 def kind_of(res: dict) -> str:
-    """run.py's series_kind of a run ("fitted" or "classes"; older runs: the fitted series). It
+    """run.py's series_kind of a run ("fitted", "classes" or, by its series, "hot_first"; older
+    runs: the fitted series). It
     is also the model's name for the candidate plan (model.predict's versions)."""
-    return res.get("series_kind", "fitted")
+    return SERIES_KIND.get(res.get("series", ""), res.get("series_kind", "fitted"))
 
 
 def candidate_of(res: dict) -> dict:
@@ -262,13 +277,24 @@ def emulation_section(emu: dict) -> list[str]:
     return out
 
 
+# run.py --explore's rule modes on the shipped whole-expert-tile series (CLASS_EXPLORE).
+EXPLORE_NAMES = {
+    "hot_first": "hot class first (mode 6)",
+    "one_swap": "one swap-A/B launch up to 128 rows (mode 7)",
+    "hot_first_r64": "hot-first's rule (mode 8)",
+}
+
+
 def explore_section(path: Path) -> list[str]:
     res = json.loads(path.read_text())
     vs = [v for v in res["ab"][0]["speedups"]]
+    label = NAMES | EXPLORE_NAMES
+    if res.get("series") == "shipped" and res.get("series_kind") == "classes":
+        label = label | {"fix": "shipped whole-expert tiles (0001 + 0002)"}
     out = [
         f"`{res['command']}`",
         "",
-        "| routing | tokens | " + " | ".join(NAMES.get(v, v) for v in vs) + " |",
+        "| routing | tokens | " + " | ".join(label.get(v, v) for v in vs) + " |",
         "|---|---:|" + "---:|" * len(vs),
     ]
     for r in res["ab"]:
@@ -353,7 +379,9 @@ def fit_h200(res: dict) -> tuple[dict, int]:
                 ((path, terms),) = model.candidate_launches(counts, r["tokens"])
                 samples[path].append((terms, r["fix_rank_median_s"][rank]))
             else:
-                plan = model.whole_expert_launches(counts, r["tokens"], sms)
+                launches = (model.hot_first_launches if kind_of(res) == "hot_first"
+                            else model.whole_expert_launches)  # fmt: skip
+                plan = launches(counts, r["tokens"], sms)
                 second.append((plan, r["fix_rank_median_s"][rank]))
     for c in res["calibration"]:
         shape = next(s for s in cases.SHAPES if s.name == c["gemm"])
@@ -408,8 +436,10 @@ def model_section(res: dict, folder: Path) -> list[str]:
             if plan == "fitted"
             else "the previous per-expert plan (`prev`, one or two launches per GEMM, each "
             "paying its c0) is predicted out of sample; this series' (`fix`) too, but for the "
-            f"fixed cost of its second launch ({model.SECOND}: the regular kernel's rates, its c0 "
-            "fitted on this series' runs, where that launch overlaps the first)."
+            "fixed cost of its second launch (`"
+            + (model.SWAP_SECOND if plan == "hot_first" else model.SECOND)
+            + "`: that kernel's rates, its c0 fitted on this series' runs, where that launch "
+            "overlaps the first)."
         ),
         "",
         "| kernel | bw (TB/s) | tc (TFLOP/s, padded work) | r | c0 (us) |",
@@ -462,13 +492,16 @@ PLAN_LABELS = {
     "split": "shipped per-expert",
     "fitted": "fitted tiles",
     "classes": "whole-expert tiles",
+    "hot_first": "hot-first",
 }
+# Plans whose run calls the estimated-row-class plan (split) the previous one.
+AFTER_SPLIT = ("classes", "hot_first")
 
 
 def h20_cases(res: dict, h20: dict, overhead: float) -> list[str]:
     """Every case of the run on the H20 model: each plan's speedup, the ones short of the best."""
     plan = kind_of(res)
-    names = PLAN_LABELS | ({"split": "previous per-expert"} if plan == "classes" else {})
+    names = PLAN_LABELS | ({"split": "previous per-expert"} if plan in AFTER_SPLIT else {})
     out = [
         "### Predicted on H20 (EP8, 50 local experts, fused op), every case",
         "",
@@ -520,7 +553,7 @@ def ep16_section(h20: dict, overhead: float, plan: str = "fitted") -> list[str]:
     calibrated H20 model: EP16 puts 25 of the 400 slots on each rank, and the MoE layer of every
     rank sees both data-parallel replicas' tokens of a step (allgather_reducescatter), so a
     replica's step of S tokens is 2 S rows; the expected rows per expert stay 6 x rows / 400."""
-    split = "previous per-expert" if plan == "classes" else PLAN_LABELS["split"]
+    split = "previous per-expert" if plan in AFTER_SPLIT else PLAN_LABELS["split"]
     out = [
         "### Two nodes: EP16 beside EP8 (predicted on H20)",
         "",

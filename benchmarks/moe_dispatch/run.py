@@ -123,8 +123,9 @@ FITTED_HOOKS = (
      "      max_m_per_problem, vllm_h20_split_rows(split_rows_for(num_device_sms)));"),
     SMS_HOOK,
 )  # fmt: skip
-# The shipped series since 2026-12-03 (whole-expert tiles: plan_row_classes with the GPU's ridge;
-# kind "classes"): those hooks and the previous plan in front of its own.
+# The two-class series (candidates/whole-expert-tiles, kind "classes", and the shipped one, kind
+# "hot_first": plan_row_classes with the GPU's ridge): those hooks and the previous plan in front
+# of their own.
 CLASS_PLAN_LINE = "  uint32_t const busiest = busiest_balanced_rows(expected_m);"
 # ... and alternatives to its two-class split, for --explore (rule modes 6, 7 and 8): the hot
 # class launched first with the cold one overlapping its tail (with concentrated routing the
@@ -156,12 +157,19 @@ CANDIDATE = "candidates/fitted-row-tiles"
 
 def series_kind(kernel_cuh: str) -> str:
     """Which dispatch a patched fp8_blockscale_gemm_kernel.cuh has: "fitted" (fitted row tiles),
-    "classes" (row classes bounded by the GPU's ridge: the shipped series) or "shipped" (the
-    series shipped until 2026-12-03, candidates/estimated-row-classes; the name kept for the
-    published runs)."""
+    "hot_first" (the shipped series since 2026-12-04: row classes, single launches up to 32/64
+    rows, the hot class first), "classes" (candidates/whole-expert-tiles: row classes bounded by
+    the GPU's ridge, cold class first) or "shipped" (candidates/estimated-row-classes, shipped
+    until 2026-12-03; the name kept for the published runs)."""
     if "plan_launches(" in kernel_cuh:
         return "fitted"
+    if "kNarrowRegularRows" in kernel_cuh:
+        return "hot_first"
     return "classes" if "ridge_rows(" in kernel_cuh else "shipped"
+
+
+# The kinds with two row classes, measured with the same versions and hooks.
+CLASS_KINDS = ("classes", "hot_first")
 
 
 CALIB_DECLS = (
@@ -232,9 +240,9 @@ def prepare_sources(data: Path, work: Path, variant: str, series: str = "") -> P
     if variant == "calib":
         f = nv / KERNEL_CUH
         text = f.read_text()
-        hooks = {"fitted": FITTED_HOOKS, "classes": CLASS_HOOKS,
+        hooks = {"fitted": FITTED_HOOKS, "classes": CLASS_HOOKS, "hot_first": CLASS_HOOKS,
                  "shipped": SHIPPED_HOOKS}[series_kind(text)]  # fmt: skip
-        if CLASS_SPLIT not in text:  # a series with another split (candidates/hot-first)
+        if CLASS_SPLIT not in text:  # the split in the other order (the shipped hot_first)
             hooks = tuple(h for h in hooks if h[0] != CLASS_SPLIT)
         for line, hook in hooks:
             assert text.count(line) == 1, f"grouped_gemm_dispatch changed: update {line!r}"
@@ -321,7 +329,7 @@ CLASS_EMU_VERSIONS = (*EMU_VERSIONS[:2], Version("prev", "calib", "fixed", PREV)
 
 def emu_versions(kind: str) -> tuple[Version, ...]:
     """The emulations' columns for a series kind (see series_kind)."""
-    return CLASS_EMU_VERSIONS if kind == "classes" else EMU_VERSIONS
+    return CLASS_EMU_VERSIONS if kind in CLASS_KINDS else EMU_VERSIONS
 
 
 # H20 emulations: (name, SMs the kernels plan for, CTAs they run on). FP8 tensor rate scales with
@@ -940,10 +948,11 @@ def main() -> None:
         token_list = tuple(int(x) for x in args.tokens.split(","))
     procs = min(args.jobs, 16)
     if args.explore and kind not in ("fitted", "classes"):
-        raise SystemExit(f"--explore needs the shipped series or --series {CANDIDATE}")
+        raise SystemExit(f"--explore's rule modes hook the cold-first split: add --series "
+                         f"candidates/whole-expert-tiles (or {CANDIDATE})")  # fmt: skip
     explore = EXPLORE if candidate else CLASS_EXPLORE
     run_versions = (explore if args.explore else CANDIDATE_VERSIONS if candidate
-                    else CLASS_VERSIONS if kind == "classes" else VERSIONS)  # fmt: skip
+                    else CLASS_VERSIONS if kind in CLASS_KINDS else VERSIONS)  # fmt: skip
     jobs = [] if args.no_main else warm_jobs(run_versions, token_list)
     forces = (1, -1, 2) if candidate else (1, -1)
     jobs += [] if args.no_calibration else calib_jobs(cases.CALIB_M, forces)

@@ -44,9 +44,9 @@ def test_calibration_hooks_apply_to_the_patched_sources(tmp_path):
     data = tmp_path / "data"
     shutil.copytree(installed_fi.root / "csrc" / "nv_internal", data / "csrc" / "nv_internal",
                     symlinks=True)  # fmt: skip
-    kinds = (("", "classes"), (run.CANDIDATE, "fitted"),
+    kinds = (("", "hot_first"), (run.CANDIDATE, "fitted"),
              ("candidates/estimated-row-classes", "shipped"),
-             ("candidates/hot-first", "classes"))  # fmt: skip
+             ("candidates/whole-expert-tiles", "classes"))  # fmt: skip
     for series, kind in kinds:
         work = tmp_path / (series.replace("/", "-") or "shipped")
         for variant in run.VARIANTS:
@@ -57,9 +57,9 @@ def test_calibration_hooks_apply_to_the_patched_sources(tmp_path):
             assert ("vllm_h20_single_launch()) {" in text) is (variant == "calib")
             has_prev = variant == "calib" and kind != "shipped"
             assert ("if (vllm_h20_prev_plan()) {" in text) is has_prev
-            # --explore's alternatives to the shipped series' split (rule modes 6, 7 and 8)
-            # (not for candidates/hot-first, whose split is already in another order)
-            explores = variant == "calib" and kind == "classes" and not series
+            # --explore's alternatives to the cold-first split (rule modes 6, 7 and 8; not for
+            # the shipped series, whose split is already in the other order)
+            explores = variant == "calib" and kind == "classes"
             assert ("if (vllm_h20_rule_mode == 8 && " in text) is explores
             launchers = (nv / run.FP8_GEMM_CUH).read_text()
             assert ("vllm_h20_grid(num_sms)" in launchers) is (variant == "calib")
@@ -165,6 +165,19 @@ def test_whole_expert_run_readme_is_rendered_from_its_files(tmp_path, folder):
     tables = text.split("## Summary", 1)[1]
     assert "whole-expert tiles (candidate)" in tables and "fitted-row-tiles" not in tables
     assert "fitted module" not in tables and "fitted ms" not in tables
+
+
+def test_hot_first_run_readme_is_rendered_from_its_files(tmp_path):
+    """benchmarks/results/moe_dispatch/hot-first-h200/README.md (the shipped series' evidence):
+    the notes, then the tables from the folder's files, its columns named for the series the run
+    built (recorded as kind "classes" before run.py had a name for it)."""
+    src = RESULTS / "moe_dispatch" / "hot-first-h200"
+    text = _rerendered(src, tmp_path)
+    assert text == (src / "README.md").read_text()
+    assert text.startswith((src / "NOTES.md").read_text())
+    tables = text.split("## Summary", 1)[1]
+    assert "hot-first (candidate)" in tables and "whole-expert tiles (candidate)" not in tables
+    assert "hot-first's rule (mode 8)" in tables and "swap_ab_second" in tables
 
 
 def _compare(args: list[str], cwd: Path) -> subprocess.CompletedProcess:

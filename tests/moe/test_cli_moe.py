@@ -71,7 +71,7 @@ def test_patches_export_writes_patches_pr_text_and_evidence(tmp_path):
     pr = (tmp_path / "pr0" / "PR.md").read_text()
     assert pr.startswith("# fused_moe: ") and "Not measured yet" in pr
     assert "<measured" not in pr  # the placeholder in the commit message is replaced
-    run = results / "moe_dispatch" / "whole-expert-tiles-v2-h200"
+    run = results / "moe_dispatch" / "hot-first-h200"
     (run / "repeats").mkdir(parents=True)
     (run / "README.md").write_text("| tokens | x |\n|---|---|\n| 288 | 1.1 |\n")
     (run / "kernel_h200.json").write_text("{}")

@@ -1,6 +1,6 @@
 """`vllm-h20 kernels precompile`: the fix's DeepGEMM kernels planned from the patched headers and
 compiled with nvcc for sm_90a here (no GPU), checked against what the kernel-level A/B compiled on
-the H200 (benchmarks/results/moe_dispatch/whole-expert-tiles-v2-h200/kernel_h200.json)."""
+the H200 (benchmarks/results/moe_dispatch/hot-first-h200/kernel_h200.json)."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from vllm_h20.moe import overlay
 from vllm_h20.moe import precompile as pc
 
 ROOT = Path(__file__).resolve().parents[2]
-H200_RUN = ROOT / "benchmarks/results/moe_dispatch/whole-expert-tiles-v2-h200/kernel_h200.json"
+H200_RUN = ROOT / "benchmarks/results/moe_dispatch/hot-first-h200/kernel_h200.json"
 # The serve_h200 test model's MoE (benchmarks/serve_h200/make_model.py): V4.1-Flash's experts.
 H200_MODEL = pc.MoeShape(hidden=5120, inter=2304, experts=384, top_k=6)
 
@@ -81,11 +81,19 @@ def test_the_plan_holds_every_kernel_the_h200_run_launched(planner, tmp_path):
         for n, _ in shape.gemms():
             tile = model.tile_rows("swap_ab", model.busiest_balanced_rows(avg), n, 132, 50)
             _, cold_m, boundary = model.plan_whole_expert(avg, tile, t, 132)
-            cold_tile = model.tile_rows("swap_ab", cold_m, n, 132, 50)
-            want = None if t <= boundary else (1, boundary)
+            if t <= boundary:
+                want = [(model.tile_rows("swap_ab", cold_m, n, 132, 50), None)]
+            elif t <= model.ONE_LAUNCH_ROWS:
+                want = [(model.tile_rows("swap_ab", t, n, 132, 50), None)]
+            elif t <= model.NARROW_REGULAR_ROWS:  # 64 rows are under the H200's ridge
+                want = []
+            else:
+                want = [(model.tile_rows("swap_ab", cold_m, n, 132, 50), (1, boundary))]
             swap = [x for x in names if x.startswith(f"gemm_swapAB_{n}_")]
-            assert [(_row_tile(x), _tag(x)) for x in swap] == [(cold_tile, want)], (t, n, swap)
-    assert len(planned) == 24
+            assert [(_row_tile(x), _tag(x)) for x in swap] == want, (t, n, swap)
+            whole = [x for x in names if x.startswith(f"gemm_{n}_") and _tag(x) is None]
+            assert bool(whole) is (want == []), (t, n, whole)
+    assert len(planned) == 26
     # Every kernel's source was written by the patched generateKernel, its class in the type.
     src = (
         tmp_path
@@ -97,8 +105,9 @@ def test_the_plan_holds_every_kernel_the_h200_run_launched(planner, tmp_path):
 
 
 def test_the_plan_follows_the_dispatch(planner, tmp_path):
-    """A step whose token count fits one swap-A/B tile: one swap-A/B launch, no row class.
-    Beyond it, a swap-A/B class 1..B and a regular class B+1..: on a 132-SM GPU B is the swap-A/B
+    """A step whose token count fits one swap-A/B tile, or of at most 32 tokens: one swap-A/B
+    launch, no row class; up to 64 tokens on a 132-SM GPU, one regular launch with 64-row tiles.
+    Beyond, a swap-A/B class 1..B and a regular class B+1..: on a 132-SM GPU B is the swap-A/B
     kernel's own row tile (one pass over an expert's weights); on an H20 (78 SMs, EP8: 48 experts
     per rank) up to three passes, B at most three tiles, never past 128."""
     small = _names(planner, H200_MODEL, 132, 16, tmp_path / "a")
@@ -109,8 +118,10 @@ def test_the_plan_follows_the_dispatch(planner, tmp_path):
         assert len(names) == len(set(names))
         assert all(f"_{shape.groups}_" in n for n in names)
         cold = [n for n in names if n.startswith("gemm_swapAB_") and _tag(n)]
-        hot = [n for n in names if not n.startswith("gemm_swapAB_")]
-        assert all(_tag(n) is not None for n in hot)  # the regular kernel only for a class
+        hot = [n for n in names if not n.startswith("gemm_swapAB_") and _tag(n)]
+        # The regular kernel without a class: the 64-row single launch, on 132 SMs only.
+        whole = [n for n in names if not n.startswith("gemm_swapAB_") and not _tag(n)]
+        assert {_row_tile(n) for n in whole} == ({64} if sms == 132 else set()), whole
         bounds = {_tag(n)[1] for n in cold}
         assert bounds == {_tag(n)[0] - 1 for n in hot} and max(bounds) == 128
         passes = {_tag(n)[1] / _row_tile(n) for n in cold if _tag(n)[1] < 128}

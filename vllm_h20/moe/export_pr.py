@@ -14,8 +14,9 @@ from .patchfile import Patch
 
 # The shipped series' evidence: its run folder under the results folder, and the files in it
 # (kernel-level A/B, emulations, fused op; tables, JSON, plot, the repeated runs).
-# (moe_dispatch/estimated-row-classes-h200/ holds the previous series' evidence.)
-EVIDENCE_DIR = "moe_dispatch/whole-expert-tiles-v2-h200"
+# (moe_dispatch/whole-expert-tiles-v2-h200/ and estimated-row-classes-h200/ hold the previous
+# series' evidence.)
+EVIDENCE_DIR = "moe_dispatch/hot-first-h200"
 EVIDENCE = ("README.md", "repeats/README.md", "*_h200.json", "*.png")
 
 

@@ -56,6 +56,7 @@ SHIPPED_PLAN = re.compile(
     r"plan_row_classes\(uint32_t busiest,\s*uint32_t swap_tile,\s*"
     r"uint32_t max_m,\s*uint32_t ridge\)"
 )
+SHIPPED_BOUNDS = ("kOneLaunchRows", "kNarrowRegularRows")
 CUBIN = "nvcc_kernel.cubin"  # kKernelName in runtime.cuh (nvcc mode, the only one it uses)
 
 PLANNER = r"""
@@ -104,7 +105,7 @@ static void emit(char const* out, uint32_t n, uint32_t k, uint32_t groups, int s
 
 // argv: out_dir n k groups expert_slots sms top_k min_tokens max_tokens
 // As grouped_gemm_dispatch does for the MoE runner (max_m_per_problem = num_rows), for every
-// step of min_tokens..max_tokens tokens.
+// step of min_tokens..max_tokens tokens: its branches in its order.
 int main(int argc, char** argv) {
   if (argc != 10) return 2;
   char const* out = argv[1];
@@ -119,12 +120,17 @@ int main(int argc, char** argv) {
     auto const swap_config =
         deep_gemm::jit::get_best_gemm_config(n, busiest, k, groups, sms, false, true);
     uint32_t const swap_tile = static_cast<uint32_t>(std::get<1>(swap_config));
-    RowClassPlan plan = plan_row_classes(busiest, swap_tile, rows, ridge_rows(sms));
+    uint32_t const ridge = ridge_rows(sms);
+    RowClassPlan plan = plan_row_classes(busiest, swap_tile, rows, ridge);
     if (rows <= plan.boundary) {
       emit(out, n, k, groups, sms, plan.cold_m, true, {});
+    } else if (rows <= kOneLaunchRows) {
+      emit(out, n, k, groups, sms, rows, true, {});
+    } else if (rows <= kNarrowRegularRows && kNarrowRegularRows <= ridge) {
+      emit(out, n, k, groups, sms, rows, false, {});
     } else {
-      emit(out, n, k, groups, sms, plan.cold_m, true, {1, plan.boundary});
       emit(out, n, k, groups, sms, plan.hot_m, false, {plan.boundary + 1, deep_gemm::kAnyRows});
+      emit(out, n, k, groups, sms, plan.cold_m, true, {1, plan.boundary});
     }
   }
   return 0;
@@ -198,8 +204,9 @@ def planner_source(csrc: Path) -> str:
     try:
         start = kernel.index("struct RowClassPlan {")
         plan = kernel[start : kernel.index("void grouped_gemm_dispatch(")]
-        # The shipped plan's signature, the one the planner calls (a candidate series has others).
-        if not SHIPPED_PLAN.search(plan):
+        # The shipped plan's signature and single-launch bounds, which the planner's main() uses
+        # (a candidate series has others).
+        if not SHIPPED_PLAN.search(plan) or not all(c in plan for c in SHIPPED_BOUNDS):
             raise ValueError
     except ValueError:
         raise PrecompileError(
