@@ -870,7 +870,7 @@ def device_info(torch) -> dict:
     }  # fmt: skip
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--flashinfer", type=Path, required=True, help="FlashInfer data tarball/dir")
     ap.add_argument("--out", type=Path, required=True)
@@ -893,25 +893,17 @@ def main() -> None:
                     help=f"patch series under patches/flashinfer/ to build (default: the shipped "
                          f"one), e.g. {CANDIDATE}")  # fmt: skip
     ap.add_argument("--explore", action="store_true",
-                    help="other versions: with the shipped series, its split with the hot class "
-                         "first and one swap-A/B launch up to 128 rows; with the fitted-tile "
-                         "series, the previous plan and the split with the largest "
-                         "shared-memory carveout for every kernel")  # fmt: skip
+                    help="other versions: with --series candidates/whole-expert-tiles, its "
+                         "split with the hot class first, one swap-A/B launch up to 128 rows "
+                         "and the shipped rule; with the fitted-tile series, the previous plan "
+                         "and the split with the largest carveout for every kernel")  # fmt: skip
     ap.add_argument("--emulate-child", default="", help=argparse.SUPPRESS)
-    args = ap.parse_args()
-    os.environ.setdefault("TRTLLM_DG_CACHE_DIR", str(args.work / "deepgemm"))
-    os.environ.setdefault("TRTLLM_DG_NVCC_COMPILER", shutil.which("nvcc") or "nvcc")
-    series = args.series.strip("/")
-    if series:  # builds of another series live apart from the shipped series' builds
-        args.work = args.work / series.replace("/", "-")
-    if args.emulate_child:
-        return emulate_child(args)
-    args.out.mkdir(parents=True, exist_ok=True)
-    args.work.mkdir(parents=True, exist_ok=True)
-    os.environ.setdefault("MAX_JOBS", str(args.jobs))
-    t_start = time.time()
-    result: dict = {"command": " ".join(sys.argv), "phases": {}, "series": series or "shipped"}
-    out_json = args.out / "moe_dispatch_h200.json"
+    return ap.parse_args()
+
+
+def selection(args) -> tuple[list[str], list[tuple[str, int, int]]]:
+    """The routings and emulations asked for; a misspelt one is refused in one line (it would
+    otherwise run none of them, silently, on a lease)."""
     routings = [r for r in args.routings.split(",") if r]
     unknown = sorted(set(routings) - set(cases.ALL_ROUTINGS))
     if unknown:
@@ -919,11 +911,14 @@ def main() -> None:
                          f"choose from {', '.join(cases.ALL_ROUTINGS)}")  # fmt: skip
     wanted = [e for e in args.emulate.split(",") if e and e != "all"]
     unknown = sorted(set(wanted) - {e[0] for e in EMULATIONS})
-    if unknown:  # a misspelt EMULATE would otherwise run none of them, silently, on a lease
+    if unknown:
         raise SystemExit(f"unknown emulation(s) {', '.join(unknown)}: choose from "
                          f"{', '.join(e[0] for e in EMULATIONS)}, or all")  # fmt: skip
-    emulations = [e for e in EMULATIONS if args.emulate == "all" or e[0] in wanted]
+    return routings, [e for e in EMULATIONS if args.emulate == "all" or e[0] in wanted]
 
+
+def build_variants(args, series: str, result: dict) -> tuple[Path, str]:
+    """Unpack FlashInfer's sources and build every variant; (data dir, the series' kind)."""
     data = unpack_flashinfer(args.flashinfer, args.work)
     log(f"building {', '.join(VARIANTS)} from {args.flashinfer.name}")
     t0 = time.time()
@@ -931,30 +926,30 @@ def main() -> None:
         jobs = [(str(data), str(args.work), v, series) for v in VARIANTS]
         built = dict(pool.map(_build_in_child, jobs))
     kind = series_kind((args.work / "patched" / "nv_internal" / KERNEL_CUH).read_text())
-    candidate = kind == "fitted"
     result["series_kind"] = kind
     result["phases"]["build_s"] = time.time() - t0
     log(f"built in {result['phases']['build_s']:.0f} s: {built}")
+    return data, kind
 
-    import torch
 
-    torch.backends.cuda.matmul.allow_tf32 = False  # fp32 references stay fp32
-    result["device"] = device_info(torch) | {"flashinfer_sources": args.flashinfer.name}
-    num_sms = result["device"]["sms"]
-    log(f"device: {result['device']['nvidia_smi']}; {num_sms} SMs")
-
-    token_list = cases.TOKENS if not args.quick else (1, 128, 2048)
-    if args.tokens:
-        token_list = tuple(int(x) for x in args.tokens.split(","))
-    procs = min(args.jobs, 16)
+def run_versions_of(args, kind: str) -> tuple[Version, ...]:
+    """The versions the A/B times for a series kind (--explore: the alternatives)."""
+    candidate = kind == "fitted"
     if args.explore and kind not in ("fitted", "classes"):
         raise SystemExit(f"--explore's rule modes hook the cold-first split: add --series "
                          f"candidates/whole-expert-tiles (or {CANDIDATE})")  # fmt: skip
-    explore = EXPLORE if candidate else CLASS_EXPLORE
-    run_versions = (explore if args.explore else CANDIDATE_VERSIONS if candidate
-                    else CLASS_VERSIONS if kind in CLASS_KINDS else VERSIONS)  # fmt: skip
+    if args.explore:
+        return EXPLORE if candidate else CLASS_EXPLORE
+    return (CANDIDATE_VERSIONS if candidate
+            else CLASS_VERSIONS if kind in CLASS_KINDS else VERSIONS)  # fmt: skip
+
+
+def compile_all(args, data: Path, kind: str, run_versions, token_list, emulations,
+                result: dict) -> None:  # fmt: skip
+    """Every DeepGEMM kernel the run will launch, compiled ahead (none compiles while timed)."""
+    procs = min(args.jobs, 16)
     jobs = [] if args.no_main else warm_jobs(run_versions, token_list)
-    forces = (1, -1, 2) if candidate else (1, -1)
+    forces = (1, -1, 2) if kind == "fitted" else (1, -1)
     jobs += [] if args.no_calibration else calib_jobs(cases.CALIB_M, forces)
     log(f"compiling {len(jobs)} DeepGEMM kernel choices in {procs} processes")
     t0 = time.time()
@@ -969,6 +964,54 @@ def main() -> None:
     result["warm"] = warm
     log(f"{len(kernels)} DeepGEMM kernels ready in {result['phases']['deepgemm_jit_s']:.0f} s")
 
+
+def ab_cases(gpu, versions: dict, routings, token_list, bw: float, out_json: Path,
+             result: dict) -> list[dict]:  # fmt: skip
+    """The A/B per routing x tokens, every rank, every version; written as it goes."""
+    rows: list[dict] = []
+    for routing in routings:
+        for tokens in token_list:
+            row = checked_case(gpu, versions, routing, tokens, bw)
+            if row.get("speedup", 1.0) < 0.98:
+                # Under 0.98x stock: run it again; both runs are kept (the second decides).
+                again = checked_case(gpu, versions, routing, tokens, bw)
+                row = again | {"first_run": {k: row[k] for k in row if k != "ranks"}}
+            rows.append(row)
+            write_json(out_json, result | {"ab": rows})
+            if "cuda_error" in row:
+                return rows  # the context is gone: nothing after this would run
+    return rows
+
+
+def main() -> None:
+    args = parse_args()
+    os.environ.setdefault("TRTLLM_DG_CACHE_DIR", str(args.work / "deepgemm"))
+    os.environ.setdefault("TRTLLM_DG_NVCC_COMPILER", shutil.which("nvcc") or "nvcc")
+    series = args.series.strip("/")
+    if series:  # builds of another series live apart from the shipped series' builds
+        args.work = args.work / series.replace("/", "-")
+    if args.emulate_child:
+        return emulate_child(args)
+    args.out.mkdir(parents=True, exist_ok=True)
+    args.work.mkdir(parents=True, exist_ok=True)
+    os.environ.setdefault("MAX_JOBS", str(args.jobs))
+    t_start = time.time()
+    result: dict = {"command": " ".join(sys.argv), "phases": {}, "series": series or "shipped"}
+    out_json = args.out / "moe_dispatch_h200.json"
+    routings, emulations = selection(args)
+    data, kind = build_variants(args, series, result)
+
+    import torch
+
+    torch.backends.cuda.matmul.allow_tf32 = False  # fp32 references stay fp32
+    result["device"] = device_info(torch) | {"flashinfer_sources": args.flashinfer.name}
+    log(f"device: {result['device']['nvidia_smi']}; {result['device']['sms']} SMs")
+    token_list = cases.TOKENS if not args.quick else (1, 128, 2048)
+    if args.tokens:
+        token_list = tuple(int(x) for x in args.tokens.split(","))
+    run_versions = run_versions_of(args, kind)
+    compile_all(args, data, kind, run_versions, token_list, emulations, result)
+
     mods = {v: load_built(args.work, v) for v in VARIANTS}
     assert not mods["stock"].patched() and mods["patched"].patched()
     gpu = Gpu(mods, data, args.work)
@@ -981,26 +1024,12 @@ def main() -> None:
     versions = {v.name: (mods[v.variant], v.kind, v.rule) for v in run_versions}
     result["versions"] = {v.name: {"variant": v.variant, "expected_m": v.kind, "rule": v.rule}
                           for v in run_versions}  # fmt: skip
-
-    # --- A/B per routing x tokens, every rank, every version -------------------------------
-    rows: list[dict] = []
-    if not args.no_main:
-        for routing in routings:
-            for tokens in token_list:
-                row = checked_case(gpu, versions, routing, tokens, bw)
-                if row.get("speedup", 1.0) < 0.98:
-                    # Under 0.98x stock: run it again; both runs are kept (the second decides).
-                    again = checked_case(gpu, versions, routing, tokens, bw)
-                    row = again | {"first_run": {k: row[k] for k in row if k != "ranks"}}
-                rows.append(row)
-                write_json(out_json, result | {"ab": rows})
-                if "cuda_error" in row:
-                    break  # the context is gone: nothing after this would run
+    rows = [] if args.no_main else ab_cases(gpu, versions, routings, token_list, bw, out_json,
+                                            result)  # fmt: skip
     result["ab"] = rows
     result["phases"]["ab_s"] = time.time() - t_start
-
     if not args.no_calibration:
-        result["calibration"] = calibrate(gpu, mods["calib"], cases.CALIB_M, candidate)
+        result["calibration"] = calibrate(gpu, mods["calib"], cases.CALIB_M, kind == "fitted")
         write_json(out_json, result)
     del gpu
     torch.cuda.empty_cache()
@@ -1011,7 +1040,11 @@ def main() -> None:
         write_json(out_json, result)
     result["phases"]["total_s"] = time.time() - t_start
     write_json(out_json, result)
+    sys.exit(0 if report(rows, emulations, result) else 1)
 
+
+def report(rows: list[dict], emulations, result: dict) -> bool:
+    """Print the tables; whether every output of every case checked out."""
     if rows:
         print_table(rows)
     for name, *_ in emulations:
@@ -1022,7 +1055,7 @@ def main() -> None:
         r["ok"] for n, *_ in emulations for r in result[n].get("ab", [])
     )
     print(f"all checks {'passed' if ok else 'FAILED'}; total {result['phases']['total_s']:.0f} s")
-    sys.exit(0 if ok else 1)
+    return ok
 
 
 if __name__ == "__main__":
