@@ -104,6 +104,35 @@ def _warm_child(args) -> int:
     return len(jobs)
 
 
+def time_interleaved(graphs: dict, combine: dict, finalize) -> dict:
+    """Per build, the compute (its graph) and layer (graph + combine) times of every sample,
+    the builds interleaved and the first one rotated, all ranks in step (a barrier each)."""
+    import torch
+    import torch.distributed as dist
+
+    names = list(graphs)
+    t = {v: {"compute": [], "layer": []} for v in names}
+    for k in range(WARMUPS + SAMPLES):
+        for j in range(len(names)):
+            v = names[(j + k) % len(names)]  # rotate which build goes first
+            e0, e1, e2 = (torch.cuda.Event(enable_timing=True) for _ in range(3))
+            dist.barrier()
+            torch.cuda.synchronize()
+            e0.record()
+            graphs[v].replay()
+            e1.record()
+            if combine:
+                combine[v].replay()
+            else:
+                finalize(v)
+            e2.record()
+            torch.cuda.synchronize()
+            if k >= WARMUPS:
+                t[v]["compute"].append(e0.elapsed_time(e1) / 1e3)
+                t[v]["layer"].append(e0.elapsed_time(e2) / 1e3)
+    return t
+
+
 def run_case(gpu, mods, routing: str, tokens: int, rank: int) -> dict:
     """One routing/token case on this rank: check both builds, then time them interleaved."""
     import torch
@@ -157,26 +186,7 @@ def run_case(gpu, mods, routing: str, tokens: int, rank: int) -> dict:
     except RuntimeError as e:
         combine, mode = {}, f"eager ({str(e).splitlines()[0][:200]})"
         torch.cuda.synchronize()
-    names = list(rc)
-    t = {v: {"compute": [], "layer": []} for v in names}
-    for k in range(WARMUPS + SAMPLES):
-        for j in range(len(names)):
-            v = names[(j + k) % len(names)]  # rotate which build goes first
-            e0, e1, e2 = (torch.cuda.Event(enable_timing=True) for _ in range(3))
-            dist.barrier()
-            torch.cuda.synchronize()
-            e0.record()
-            graphs[v].replay()
-            e1.record()
-            if combine:
-                combine[v].replay()
-            else:
-                finalize(v)
-            e2.record()
-            torch.cuda.synchronize()
-            if k >= WARMUPS:
-                t[v]["compute"].append(e0.elapsed_time(e1) / 1e3)
-                t[v]["layer"].append(e0.elapsed_time(e2) / 1e3)
+    t = time_interleaved(graphs, combine, finalize)
     return {
         "routing": routing, "tokens": tokens, "rank": rank, "rows": nrows,
         "max_rows_per_expert": int(counts.max()),
@@ -314,6 +324,35 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def device_record(torch, props, world: int, sources: str) -> dict:
+    """The GPUs, their topology and the versions, for the result's "device"."""
+    smi = subprocess.run(
+        ["nvidia-smi", "--query-gpu=index,name,driver_version", "--format=csv,noheader"],
+        capture_output=True, text=True,
+    ).stdout.strip()  # fmt: skip
+    topo = subprocess.run(["nvidia-smi", "topo", "-m"], capture_output=True, text=True).stdout
+    return {
+        "name": props.name, "sms": props.multi_processor_count, "gpus": world,
+        "nvidia_smi": smi, "topology": topo, "torch": torch.__version__,
+        "cuda": torch.version.cuda, "nccl": str(torch.cuda.nccl.version()),
+        "python": platform.python_version(), "flashinfer_sources": sources,
+    }  # fmt: skip
+
+
+def print_table(rows: list[dict], world: int) -> None:
+    modes = sorted({m for r in rows for m in r["combine_mode"]})
+    print(f"\nEP ranks run concurrently: {world} of {cases.EP}; combine: {', '.join(modes)}")
+    print("routing  tokens  stock ms (compute+combine)  fix ms (compute+combine)  "
+          "compute x  layer x  check")  # fmt: skip
+    for r in rows:
+        print(f"{r['routing']:8s} {r['tokens']:6d}  "
+              f"{r['stock_compute_s'] * 1e3:8.3f} + {r['stock_combine_s'] * 1e3:6.3f}"
+              f"           {r['fix_compute_s'] * 1e3:8.3f} + "
+              f"{r['fix_combine_s'] * 1e3:6.3f}"
+              f"         {r['compute_speedup']:6.2f}  {r['layer_speedup']:6.2f}  "
+              f"{'ok' if r['ok'] else 'FAIL'}")  # fmt: skip
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--flashinfer", type=Path, help="FlashInfer data tarball/dir")
@@ -359,17 +398,7 @@ def main() -> None:
     single.log(f"{len(jobs)} DeepGEMM kernels ready in {result['phases']['deepgemm_jit_s']:.0f} s")
 
     props = torch.cuda.get_device_properties(0)
-    smi = subprocess.run(
-        ["nvidia-smi", "--query-gpu=index,name,driver_version", "--format=csv,noheader"],
-        capture_output=True, text=True,
-    ).stdout.strip()  # fmt: skip
-    topo = subprocess.run(["nvidia-smi", "topo", "-m"], capture_output=True, text=True).stdout
-    result["device"] = {
-        "name": props.name, "sms": props.multi_processor_count, "gpus": world,
-        "nvidia_smi": smi, "topology": topo, "torch": torch.__version__,
-        "cuda": torch.version.cuda, "nccl": str(torch.cuda.nccl.version()),
-        "python": platform.python_version(), "flashinfer_sources": args.flashinfer.name,
-    }  # fmt: skip
+    result["device"] = device_record(torch, props, world, args.flashinfer.name)
     result["ep"] = {"ep_size": cases.EP, "ranks_run": list(range(world)),
                     "complete": world == cases.EP}  # fmt: skip
     single.log(f"{world} GPU(s), EP ranks {list(range(world))} of {cases.EP} run concurrently")
@@ -386,17 +415,7 @@ def main() -> None:
     name = f"moe_dispatch_ep{world}_{props.name.split()[-1].lower()}.json"
     single.write_json(args.out / name, result)
 
-    modes = sorted({m for r in rows for m in r["combine_mode"]})
-    print(f"\nEP ranks run concurrently: {world} of {cases.EP}; combine: {', '.join(modes)}")
-    print("routing  tokens  stock ms (compute+combine)  fix ms (compute+combine)  "
-          "compute x  layer x  check")  # fmt: skip
-    for r in rows:
-        print(f"{r['routing']:8s} {r['tokens']:6d}  "
-              f"{r['stock_compute_s'] * 1e3:8.3f} + {r['stock_combine_s'] * 1e3:6.3f}"
-              f"           {r['fix_compute_s'] * 1e3:8.3f} + "
-              f"{r['fix_combine_s'] * 1e3:6.3f}"
-              f"         {r['compute_speedup']:6.2f}  {r['layer_speedup']:6.2f}  "
-              f"{'ok' if r['ok'] else 'FAIL'}")  # fmt: skip
+    print_table(rows, world)
     ok = all(r["ok"] for r in rows)
     print(f"all checks {'passed' if ok else 'FAILED'}; total {result['phases']['total_s']:.0f} s;"
           f" wrote {args.out / name}")  # fmt: skip
