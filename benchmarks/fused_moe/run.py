@@ -58,20 +58,14 @@ def _kernel_level_run():
 
 
 single = _kernel_level_run()
-graph_of, time_graphs, copy_bandwidth, log, rel, weight_bytes = (
+graph_of, time_graphs, copy_bandwidth, log, rel, weight_bytes, write_json = (
     single.graph_of, single.time_graphs, single.measure_copy_bandwidth, single.log, single.rel,
-    single.weight_bytes,
+    single.weight_bytes, single.write_json,
 )  # fmt: skip
 
 VERSIONS = ("stock", "fix", "fix_again")  # the third is the A/A repeat of the second
 TOLERANCE = 2e-2  # relative L2 error vs the fp32 reference (the patch's own test uses it)
 AGREEMENT = 1e-2  # relative L2 difference between the fix's and the stock module's outputs
-
-
-def write_json(path: Path, obj) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(obj))
-    os.replace(tmp, path)
 
 
 # ----------------------------------------------------------------------------- modules

@@ -47,6 +47,7 @@ sys.path.insert(0, str(REPO))
 
 import cases  # noqa: E402
 
+from vllm_h20._io import write_json_atomic  # noqa: E402
 from vllm_h20.moe.build import find_cublas_include  # noqa: E402
 from vllm_h20.moe.expected_m import fit_n, per_expert_expected_m, swap_threshold  # noqa: E402
 from vllm_h20.moe.patchfile import apply_file, read_patch  # noqa: E402
@@ -192,9 +193,8 @@ WARMUPS, SAMPLES = 5, 24
 
 
 def write_json(path: Path, obj) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(obj))
-    os.replace(tmp, path)
+    """A result file, compact, written atomically (a lease may end mid-run)."""
+    write_json_atomic(path, obj, indent=None)
 
 
 def log(msg: str) -> None:
