@@ -79,7 +79,8 @@ def test_serve_precompiles_the_fixs_kernels_first(tmp_path, monkeypatch):
             "h200", "--dry-run"]  # fmt: skip
     r = cli(*args)
     assert r.returncode == 0, r.stderr
-    assert "64 DeepGEMM kernels for the fix (0 already in" in r.stderr
+    # 68 for this shape on 132 SMs: the single launches up to 32/64 rows and the two classes
+    assert "68 DeepGEMM kernels for the fix (0 already in" in r.stderr
     monkeypatch.setenv("VLLM_H20_MOE_DISPATCH", "stock")
     r = cli(*args)
     assert r.returncode == 0 and "precompile: skipped: " in r.stdout, r.stdout + r.stderr
