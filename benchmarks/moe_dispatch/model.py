@@ -196,9 +196,9 @@ def plan_whole_expert(expected_m: int, swap_tile: int, max_m: int, sms: int):
 
 
 def whole_expert_launches(counts, tokens: int, sms: int) -> list[tuple[str, list]]:
-    """The shipped series (whole-expert tiles) per GEMM: one swap-A/B launch when every expert
-    fits one tile, else a swap-A/B launch for the experts with 1..boundary rows and a regular
-    one for the rest (each pays its c0, empty or not)."""
+    """The whole-expert-tile series (candidates/whole-expert-tiles) per GEMM: one swap-A/B
+    launch when every expert fits one tile, else a swap-A/B launch for the experts with
+    1..boundary rows and a regular one for the rest (each pays its c0, empty or not)."""
     avg = per_expert_expected_m(tokens, cases.TOP_K, cases.LOCAL, cases.EP)
     out = []
     for s in cases.SHAPES:
@@ -217,20 +217,20 @@ def whole_expert_launches(counts, tokens: int, sms: int) -> list[tuple[str, list
 # The regular launch that follows a swap-A/B launch of the same GEMM (programmatic dependent
 # launch): the regular kernel's rates, its own fixed cost (fit_second).
 SECOND = "regular_second"
-# The hot-first candidate's order: the swap-A/B launch follows the regular one.
+# The hot-first order (the shipped series): the swap-A/B launch follows the regular one.
 SWAP_SECOND = "swap_ab_second"
 # Each second launch's kernel, whose rates it keeps.
 BASE_OF = {SECOND: "regular", SWAP_SECOND: "swap_ab"}
-# The hot-first candidate's single launches (its kOneLaunchRows, kNarrowRegularRows).
+# The hot-first plan's single launches (its kOneLaunchRows, kNarrowRegularRows).
 ONE_LAUNCH_ROWS = 32
 NARROW_REGULAR_ROWS = 64
 
 
 def hot_first_launches(counts, tokens: int, sms: int) -> list[tuple[str, list]]:
-    """The hot-first candidate (patches/flashinfer/candidates/hot-first) per GEMM: one swap-A/B
-    launch when every expert fits one tile, or sized for the most rows an expert can hold up to
-    32; one regular launch up to 64 where 64 rows are under the ridge (132-SM parts); else the
-    regular launch for the hot experts first and the swap-A/B one for the rest behind it."""
+    """The shipped series since 2026-12-04 (hot-first) per GEMM: one swap-A/B launch when every
+    expert fits one tile, or sized for the most rows an expert can hold up to 32; one regular
+    launch up to 64 where 64 rows are under the ridge (132-SM parts); else the regular launch
+    for the hot experts first and the swap-A/B one for the rest behind it."""
     avg = per_expert_expected_m(tokens, cases.TOP_K, cases.LOCAL, cases.EP)
     out = []
     for s in cases.SHAPES:
@@ -297,8 +297,8 @@ def candidate_launches(counts, tokens: int) -> list[tuple[str, list]]:
 def predict(fits: dict, counts, tokens: int, version: str, sms: int) -> float:
     """Seconds for one rank's FC1 + FC2 under a version (each launch pays its c0): stock,
     fixed (average-only), split (the per-expert plan shipped until 2026-12-03), fitted (the
-    fitted-tile candidate), classes (the shipped whole-expert-tile plan) or hot_first (its
-    hot-first candidate)."""
+    fitted-tile candidate), classes (the whole-expert-tile plan, shipped 2026-12-03 to 12-04) or
+    hot_first (the shipped plan)."""
     if version == "fitted":
         plan = candidate_launches(counts, tokens)
     elif version == "hot_first":

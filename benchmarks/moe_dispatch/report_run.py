@@ -111,9 +111,9 @@ def short_of_best(rows: list[dict], v: str) -> list[dict]:
 
 
 def kind_of(res: dict) -> str:
-    """run.py's series_kind of a run ("fitted", "classes" or, by its series, "hot_first"; older
-    runs: the fitted series). It
-    is also the model's name for the candidate plan (model.predict's versions)."""
+    """run.py's series_kind of a run ("fitted", "classes", "hot_first"; by its series where run.py
+    predates the kind; older runs: the fitted series). It is also the model's name for the
+    candidate plan (model.predict's versions)."""
     return SERIES_KIND.get(res.get("series", ""), res.get("series_kind", "fitted"))
 
 
