@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures as cf
-import importlib.util
 import json
 import multiprocessing
 import os
@@ -44,24 +43,12 @@ sys.path.insert(0, str(REPO))
 
 import cases  # noqa: E402
 
+# The timing method (CUDA graphs, rotated replay order), copy bandwidth, error and JSON writer
+# of the kernel-level benchmark.
+from harness import graph_of, log, rel, time_graphs, weight_bytes, write_json  # noqa: E402
+from harness import measure_copy_bandwidth as copy_bandwidth  # noqa: E402
+
 from vllm_h20.moe.expected_m import per_expert_expected_m, swap_threshold  # noqa: E402
-
-
-def _kernel_level_run():
-    """benchmarks/moe_dispatch/run.py, whose timing method (CUDA graphs, rotated replay order,
-    copy bandwidth) this benchmark shares; loaded by path, as this file is also `run`."""
-    spec = importlib.util.spec_from_file_location("moe_dispatch_run", KERNEL_LEVEL / "run.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod  # its dataclasses look their module up while being made
-    spec.loader.exec_module(mod)
-    return mod
-
-
-single = _kernel_level_run()
-graph_of, time_graphs, copy_bandwidth, log, rel, weight_bytes, write_json = (
-    single.graph_of, single.time_graphs, single.measure_copy_bandwidth, single.log, single.rel,
-    single.weight_bytes, single.write_json,
-)  # fmt: skip
 
 VERSIONS = ("stock", "fix", "fix_again")  # the third is the A/A repeat of the second
 TOLERANCE = 2e-2  # relative L2 error vs the fp32 reference (the patch's own test uses it)
