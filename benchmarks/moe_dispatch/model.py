@@ -195,25 +195,6 @@ def plan_whole_expert(expected_m: int, swap_tile: int, max_m: int, sms: int):
     return busiest, min(busiest, boundary), boundary
 
 
-def whole_expert_launches(counts, tokens: int, sms: int) -> list[tuple[str, list]]:
-    """The whole-expert-tile series (candidates/whole-expert-tiles) per GEMM: one swap-A/B
-    launch when every expert fits one tile, else a swap-A/B launch for the experts with
-    1..boundary rows and a regular one for the rest (each pays its c0, empty or not)."""
-    avg = per_expert_expected_m(tokens, cases.TOP_K, cases.LOCAL, cases.EP)
-    out = []
-    for s in cases.SHAPES:
-        tile = tile_rows("swap_ab", busiest_balanced_rows(avg), s.n, sms, len(counts))
-        _, cold_m, boundary = plan_whole_expert(avg, tile, tokens, sms)
-        if tokens <= boundary:
-            out.append(("swap_ab", [gemm_terms(counts, s, cold_m, "swap_ab", sms)]))
-            continue
-        cold = np.where(counts <= boundary, counts, 0)
-        hot = np.where(counts > boundary, counts, 0)
-        out.append(("swap_ab", [gemm_terms(cold, s, cold_m, "swap_ab", sms)]))
-        out.append((SECOND, [gemm_terms(hot, s, tokens, "regular", sms)]))
-    return out
-
-
 # The regular launch that follows a swap-A/B launch of the same GEMM (programmatic dependent
 # launch): the regular kernel's rates, its own fixed cost (fit_second).
 SECOND = "regular_second"
@@ -226,11 +207,14 @@ ONE_LAUNCH_ROWS = 32
 NARROW_REGULAR_ROWS = 64
 
 
-def hot_first_launches(counts, tokens: int, sms: int) -> list[tuple[str, list]]:
-    """The shipped series since 2026-12-04 (hot-first) per GEMM: one swap-A/B launch when every
-    expert fits one tile, or sized for the most rows an expert can hold up to 32; one regular
-    launch up to 64 where 64 rows are under the ridge (132-SM parts); else the regular launch
-    for the hot experts first and the swap-A/B one for the rest behind it."""
+def row_class_launches(counts, tokens: int, sms: int, hot_first: bool) -> list[tuple[str, list]]:
+    """The two-class plans per GEMM (each launch pays its c0, empty or not): one swap-A/B launch
+    when every expert fits one tile, else a swap-A/B launch for the experts with 1..boundary
+    rows and a regular one for the rest. hot_first=False: the whole-expert-tile series
+    (candidates/whole-expert-tiles), the swap-A/B launch first. hot_first=True: the shipped
+    series since 2026-12-04, the regular launch first, and one launch where one tile shape reads
+    every expert once (a swap-A/B tile sized for up to 32 rows; a regular 64-row tile up to 64
+    rows where 64 rows are under the ridge: the 132-SM parts)."""
     avg = per_expert_expected_m(tokens, cases.TOP_K, cases.LOCAL, cases.EP)
     out = []
     for s in cases.SHAPES:
@@ -238,15 +222,17 @@ def hot_first_launches(counts, tokens: int, sms: int) -> list[tuple[str, list]]:
         _, cold_m, boundary = plan_whole_expert(avg, tile, tokens, sms)
         if tokens <= boundary:
             out.append(("swap_ab", [gemm_terms(counts, s, cold_m, "swap_ab", sms)]))
-        elif tokens <= ONE_LAUNCH_ROWS:
+        elif hot_first and tokens <= ONE_LAUNCH_ROWS:
             out.append(("swap_ab", [gemm_terms(counts, s, tokens, "swap_ab", sms)]))
-        elif tokens <= NARROW_REGULAR_ROWS <= ridge_rows(sms):
+        elif hot_first and tokens <= NARROW_REGULAR_ROWS <= ridge_rows(sms):
             out.append(("regular", [gemm_terms(counts, s, tokens, "regular", sms)]))
         else:
-            cold = np.where(counts <= boundary, counts, 0)
-            hot = np.where(counts > boundary, counts, 0)
-            out.append(("regular", [gemm_terms(hot, s, tokens, "regular", sms)]))
-            out.append((SWAP_SECOND, [gemm_terms(cold, s, cold_m, "swap_ab", sms)]))
+            cold = gemm_terms(np.where(counts <= boundary, counts, 0), s, cold_m, "swap_ab", sms)
+            hot = gemm_terms(np.where(counts > boundary, counts, 0), s, tokens, "regular", sms)
+            if hot_first:
+                out += [("regular", [hot]), (SWAP_SECOND, [cold])]
+            else:
+                out += [("swap_ab", [cold]), (SECOND, [hot])]
     return out
 
 
@@ -301,10 +287,8 @@ def predict(fits: dict, counts, tokens: int, version: str, sms: int) -> float:
     hot_first (the shipped plan)."""
     if version == "fitted":
         plan = candidate_launches(counts, tokens)
-    elif version == "hot_first":
-        plan = hot_first_launches(counts, tokens, sms)
-    elif version == "classes":
-        plan = whole_expert_launches(counts, tokens, sms)
+    elif version in ("classes", "hot_first"):
+        plan = row_class_launches(counts, tokens, sms, hot_first=version == "hot_first")
     else:
         plan = launches(counts, tokens, version, sms)
     return sum(fits[p].predict(terms) for p, terms in plan)

@@ -379,9 +379,8 @@ def fit_h200(res: dict) -> tuple[dict, int]:
                 ((path, terms),) = model.candidate_launches(counts, r["tokens"])
                 samples[path].append((terms, r["fix_rank_median_s"][rank]))
             else:
-                launches = (model.hot_first_launches if kind_of(res) == "hot_first"
-                            else model.whole_expert_launches)  # fmt: skip
-                plan = launches(counts, r["tokens"], sms)
+                hot_first = kind_of(res) == "hot_first"
+                plan = model.row_class_launches(counts, r["tokens"], sms, hot_first)
                 second.append((plan, r["fix_rank_median_s"][rank]))
     for c in res["calibration"]:
         shape = next(s for s in cases.SHAPES if s.name == c["gemm"])
