@@ -43,13 +43,13 @@ sys.path.insert(0, str(HERE))
 
 import cases  # noqa: E402
 import run as single  # noqa: E402
+from harness import SAMPLES, WARMUPS, graph_of, log, rel, unpack_flashinfer, write_json  # noqa: E402
 
 from vllm_h20.moe.expected_m import per_expert_expected_m  # noqa: E402
 
 VARIANTS = ("stock", "patched")  # the builds (run.py's builder: stock and patched sources)
 # The columns, in run.py's vocabulary: stock and fix (the patched build's per-expert dispatch).
 VERSIONS = ("stock", "fix")
-WARMUPS, SAMPLES = single.WARMUPS, single.SAMPLES
 
 
 def case_list(quick: bool) -> list[tuple[str, int]]:
@@ -176,13 +176,13 @@ def run_case(gpu, mods, routing: str, tokens: int, rank: int) -> dict:
         r2 = gpu.reference(fc2, rc["stock"].a[fc2.name][:nrows], counts) * row_w
         ref.index_add_(0, row_tok, r2)
     dist.all_reduce(ref)
-    graphs = {v: single.graph_of(torch, rc[v]) for v in rc}
+    graphs = {v: graph_of(torch, rc[v]) for v in rc}
     # The combine in a CUDA graph too, as vLLM runs decode: an eager launch of its kernels
     # would add host latency that the short cases cannot hide.
     combine, mode = {}, "cuda_graph"
     try:
         for v in rc:
-            combine[v] = single.graph_of(torch, lambda v=v: finalize(v))
+            combine[v] = graph_of(torch, lambda v=v: finalize(v))
     except RuntimeError as e:
         combine, mode = {}, f"eager ({str(e).splitlines()[0][:200]})"
         torch.cuda.synchronize()
@@ -191,8 +191,8 @@ def run_case(gpu, mods, routing: str, tokens: int, rank: int) -> dict:
         "routing": routing, "tokens": tokens, "rank": rank, "rows": nrows,
         "max_rows_per_expert": int(counts.max()),
         "expected_m": {"stock": tokens, "fix": fixed}, "rel_err": errs,
-        "combined_rel_err": {v: single.rel(combined[v], ref) for v in rc},
-        "combined_agreement": single.rel(combined["fix"], combined["stock"]),
+        "combined_rel_err": {v: rel(combined[v], ref) for v in rc},
+        "combined_agreement": rel(combined["fix"], combined["stock"]),
         "combine_mode": mode,
         "times": t,
     }  # fmt: skip
@@ -207,7 +207,7 @@ def rank_main(rank: int, world: int, args, port: int, results: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("nccl", rank=rank, world_size=world,
                             device_id=torch.device("cuda", rank))  # fmt: skip
-    data = single.unpack_flashinfer(args.flashinfer, args.work)
+    data = unpack_flashinfer(args.flashinfer, args.work)
     mods = {v: single.load_built(args.work, v) for v in VARIANTS}
     gpu = single.Gpu(mods, data, args.work, seed=rank)
     rows_out = []
@@ -216,13 +216,13 @@ def rank_main(rank: int, world: int, args, port: int, results: str) -> None:
         torch.cuda.empty_cache()
         if rank == 0:
             r = rows_out[-1]["times"]
-            single.log(f"{routing:8s} {tokens:5d}: rank 0 compute stock "
+            log(f"{routing:8s} {tokens:5d}: rank 0 compute stock "
                        f"{statistics.median(r['stock']['compute']) * 1e3:.3f} ms, fix "
                        f"{statistics.median(r['fix']['compute']) * 1e3:.3f} ms")  # fmt: skip
     gathered = [None] * world if rank == 0 else None
     dist.gather_object(rows_out, gathered, dst=0)
     if rank == 0:  # a file, not a queue: a full pipe would block the child the parent joins
-        single.write_json(Path(results), gathered)
+        write_json(Path(results), gathered)
     dist.destroy_process_group()
 
 
@@ -377,12 +377,12 @@ def main() -> None:
     os.environ.setdefault("MAX_JOBS", str(args.jobs))
     t_start = time.time()
     result: dict = {"command": " ".join(sys.argv), "phases": {}}
-    data = single.unpack_flashinfer(args.flashinfer, args.work)
+    data = unpack_flashinfer(args.flashinfer, args.work)
     t0 = time.time()
     with cf.ProcessPoolExecutor(len(VARIANTS)) as pool:
         list(pool.map(single._build_in_child, [(str(data), str(args.work), v) for v in VARIANTS]))
     result["phases"]["build_s"] = time.time() - t0
-    single.log(f"built {VARIANTS} in {result['phases']['build_s']:.0f} s")
+    log(f"built {VARIANTS} in {result['phases']['build_s']:.0f} s")
 
     import torch
     import torch.multiprocessing as mp
@@ -395,13 +395,13 @@ def main() -> None:
     with cf.ProcessPoolExecutor(n, mp_context=ctx) as pool:
         list(pool.map(_warm_child, [(str(data), str(args.work), jobs[i::n]) for i in range(n)]))
     result["phases"]["deepgemm_jit_s"] = time.time() - t0
-    single.log(f"{len(jobs)} DeepGEMM kernels ready in {result['phases']['deepgemm_jit_s']:.0f} s")
+    log(f"{len(jobs)} DeepGEMM kernels ready in {result['phases']['deepgemm_jit_s']:.0f} s")
 
     props = torch.cuda.get_device_properties(0)
     result["device"] = device_record(torch, props, world, args.flashinfer.name)
     result["ep"] = {"ep_size": cases.EP, "ranks_run": list(range(world)),
                     "complete": world == cases.EP}  # fmt: skip
-    single.log(f"{world} GPU(s), EP ranks {list(range(world))} of {cases.EP} run concurrently")
+    log(f"{world} GPU(s), EP ranks {list(range(world))} of {cases.EP} run concurrently")
 
     t0 = time.time()
     tmp = args.work / "ep_ranks.json"
@@ -413,7 +413,7 @@ def main() -> None:
     result["ab"] = rows
     result["phases"]["total_s"] = time.time() - t_start
     name = f"moe_dispatch_ep{world}_{props.name.split()[-1].lower()}.json"
-    single.write_json(args.out / name, result)
+    write_json(args.out / name, result)
 
     print_table(rows, world)
     ok = all(r["ok"] for r in rows)

@@ -45,9 +45,7 @@ sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(REPO))
 
 import cases  # noqa: E402
-from harness import (  # noqa: E402, F401 - shared with ep.py and fused_moe/run.py
-    SAMPLES,
-    WARMUPS,
+from harness import (  # noqa: E402
     graph_of,
     log,
     measure_copy_bandwidth,
