@@ -162,6 +162,8 @@ CLASS_SPLIT_HOOK = (
 )
 CLASS_HOOKS = (*SHIPPED_HOOKS, (CLASS_PLAN_LINE, PREV_PLAN + CLASS_PLAN_LINE),
                (CLASS_SPLIT, CLASS_SPLIT_HOOK))  # fmt: skip
+# The shipped series has its split in the other order already: no --explore rules to hook.
+HOT_FIRST_HOOKS = CLASS_HOOKS[:-1]
 CANDIDATE = "candidates/fitted-row-tiles"
 
 
@@ -226,10 +228,8 @@ def prepare_sources(data: Path, work: Path, variant: str, series: str = "") -> P
     if variant == "calib":
         f = nv / KERNEL_CUH
         text = f.read_text()
-        hooks = {"fitted": FITTED_HOOKS, "classes": CLASS_HOOKS, "hot_first": CLASS_HOOKS,
+        hooks = {"fitted": FITTED_HOOKS, "classes": CLASS_HOOKS, "hot_first": HOT_FIRST_HOOKS,
                  "shipped": SHIPPED_HOOKS}[series_kind(text)]  # fmt: skip
-        if CLASS_SPLIT not in text:  # the split in the other order (the shipped hot_first)
-            hooks = tuple(h for h in hooks if h[0] != CLASS_SPLIT)
         for line, hook in hooks:
             assert text.count(line) == 1, f"grouped_gemm_dispatch changed: update {line!r}"
             text = text.replace(line, hook)
