@@ -22,6 +22,12 @@ S=/tmp/moe-session
 export PYTHONUNBUFFERED=1
 mkdir -p "$S/out"
 
+# GPU clocks, power and temperature at a step's start or end, beside its results.
+clocks() {
+    nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,power.draw,temperature.gpu \
+        --format=csv > "$S/out/nvidia-smi-$1.csv"
+}
+
 copy_repo() {
     rm -rf "$S/repo" && mkdir -p "$S/repo" && cp -a . "$S/repo/" && rm -rf "$S/repo/.build"
 }
@@ -37,8 +43,7 @@ case "$step" in
 smoke)
     copy_repo
     cd "$S/repo" || exit 1
-    nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,power.draw,temperature.gpu \
-        --format=csv > "$S/out/nvidia-smi-start.csv"
+    clocks start
     timeout 480 "${RUN[@]}" --out "$S/out/smoke" --quick --routings uniform,same_rank,zipf2,pool8 \
         --no-calibration > "$S/out/smoke.log" 2>&1
     rc=$?
@@ -53,8 +58,7 @@ smoke)
 start)
     # `full` in the background without the smoke (when this commit's smoke passed already).
     copy_repo
-    nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,power.draw,temperature.gpu \
-        --format=csv > "$S/out/nvidia-smi-start.csv"
+    clocks start
     (cd "$S/repo" && setsid nohup bash benchmarks/moe_dispatch/h200.sh full > "$S/out/full.log" 2>&1 \
         < /dev/null &)
     echo "full run started in the background"
@@ -83,8 +87,7 @@ full)
     echo "[$(date +%T)] the patch's test on the stock module (it must fail there)"
     MODES=stock fused 600 test > "$S/out/fused-stock-tests.log" 2>&1
     echo "[$(date +%T)] stock-module tests: exit $?"
-    nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,power.draw,temperature.gpu \
-        --format=csv > "$S/out/nvidia-smi-end.csv"
+    clocks end
     echo "[$(date +%T)] done"
     ;;
 wait)
