@@ -28,6 +28,8 @@ from vllm_h20.moe.patchfile import read_patch
 
 SHIPPED = overlay.patches_dir() / "flashinfer"
 PREVIOUS = SHIPPED / "candidates" / "estimated-row-classes"
+# Shipped 2026-12-03 to 12-04: the same plan_row_classes, no single-launch bounds.
+COLD_FIRST = SHIPPED / "candidates" / "whole-expert-tiles"
 # name: generator arguments (swap|regular, min rows, max rows): the launches of a two-class step.
 SOURCES = {"cold": ["swap", "1", "16"], "hot": ["regular", "17", "any"]}
 
@@ -85,13 +87,19 @@ def _plan_text(series: Path = SHIPPED) -> str:
 
 
 def test_kernels_precompile_refuses_the_previous_series_in_one_line(tmp_path):
-    """`kernels precompile` plans the shipped series only; on the previous series' headers
-    (VLLM_H20_PATCH_SERIES=candidates/estimated-row-classes) it says so instead of failing to
-    compile its planner; on the shipped series' plan it finds the entry point it calls."""
+    """`kernels precompile` plans the shipped series only; on an earlier series' headers
+    (VLLM_H20_PATCH_SERIES=candidates/estimated-row-classes, or candidates/whole-expert-tiles,
+    whose plan has the entry point but not the single-launch bounds) it says so instead of
+    failing to compile its planner; on the shipped series' plan it finds the entry point."""
     kernel = tmp_path / "csrc" / precompile.KERNEL_CUH
     kernel.parent.mkdir(parents=True)
     assert precompile.SHIPPED_PLAN.search(_plan_text())
     kernel.write_text(_plan_text(PREVIOUS))
+    with pytest.raises(precompile.PrecompileError, match="plans the shipped series only"):
+        precompile.planner_source(tmp_path / "csrc")
+    # The cold-first series has the entry point but not the bounds the planner's main() uses.
+    assert precompile.SHIPPED_PLAN.search(_plan_text(COLD_FIRST))
+    kernel.write_text(_plan_text(COLD_FIRST))
     with pytest.raises(precompile.PrecompileError, match="plans the shipped series only"):
         precompile.planner_source(tmp_path / "csrc")
 
