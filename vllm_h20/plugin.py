@@ -3,7 +3,8 @@
 vLLM calls `register()` in the API server, the engine core and every worker before model code
 runs. It imports only the standard library and our small `moe` modules, logs one line, and
 defers all FlashInfer work to FlashInfer's own first fused-MoE build. `VLLM_PLUGINS` (vLLM's
-allowlist) disables it; `VLLM_H20_MOE_DISPATCH=stock` keeps it loaded but hands-off.
+allowlist) disables it; `VLLM_H20_MOE_DISPATCH=stock` keeps it loaded but hands-off;
+`VLLM_H20_STEP_TIMES=DIR` also logs each engine step's GPU time (serve/steptimes.py).
 """
 
 from __future__ import annotations
@@ -24,4 +25,12 @@ def register() -> None:
     decision = dispatch.decide()
     (logger.warning if decision.warn else logger.info)("vllm-h20: %s", decision.message)
     dispatch.activate(decision)
+    from . import settings
+
+    step_times = settings.path("VLLM_H20_STEP_TIMES")
+    if step_times is not None:  # a diagnostic: only then is vLLM's model runner imported here
+        from .serve import steptimes
+
+        steptimes.install(step_times)
+        logger.info("vllm-h20: logging each step's GPU time to %s", step_times)
     _done = True

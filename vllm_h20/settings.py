@@ -69,6 +69,12 @@ TABLE: tuple[Setting, ...] = (
         "1 (CI): a test that needs nvcc fails when it is missing instead of being skipped.",
         kind="flag",
     ),
+    Setting(
+        "VLLM_H20_STEP_TIMES", "",
+        "A folder: every vLLM process that runs the model logs each engine step's GPU time "
+        "there (steps-<pid>.jsonl, CUDA events around the forward), for serving A/Bs.",
+        kind="path",
+    ),
 )  # fmt: skip
 BY_NAME = {s.name: s for s in TABLE}
 

@@ -19,7 +19,8 @@
 #   h200.sh profile NAME... a torch-profiler kernel table of a few decode steps at c128
 #   h200.sh warm NAME...    the sweeps' batch shapes once, each wave timed (before sweeping)
 #   h200.sh steptime NAME...     decode- and prefill-step time of each server, arms interleaved
-#                           (steptime.py; resumes) into $SH/steptime, GPU clocks logged beside
+#                           (steptime.py; resumes) into $SH/steptime, GPU clocks logged beside;
+#                           every server logs its steps' GPU time into $SH/steps/NAME
 #   h200.sh sweep SPEC NAME...   vllm-h20 bench sweep (resumes) into $SH/runs/SPEC[-$TAG]
 #   h200.sh v4probe         background: vLLM 0.26 on a small DeepSeek-V4 (benchmarks/journey_h200)
 #   h200.sh v4release       issue 4/4: a synthetic DeepSeek-V4 release (vllm-h20 synth --preset
@@ -54,7 +55,7 @@ cd "$(dirname "$0")/../.."
 repo=$PWD
 SH=${SH:-/tmp/serve_h200}
 SITE=${SITE:-$SH/site}
-mkdir -p "$SH"/{logs,pieces,runs,check,prof,steptime}
+mkdir -p "$SH"/{logs,pieces,runs,check,prof,steptime,steps}
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
 # pip --target installs .pth files that nothing runs from PYTHONPATH: CuTe DSL's (the `cutlass`
 # package DeepSeek-V4's kernels import) adds this folder.
@@ -209,7 +210,9 @@ serve)
             echo "$n: no checkpoint in $m (v4release / v4convert first)"; exit 1 ;; esac
         # A generated checkpoint (the `weights` step) replaces the V3 recipe's dummy weights.
         [ "$m" = "$model" ] && [ -f "$m/model.safetensors.index.json" ] && args+=(--load-format auto)
-        envs=(VLLM_H20_STRICT=1)
+        # Each engine step's GPU time (CUDA events, vllm_h20/serve/steptimes.py): steptime.py
+        # reads it beside the wall clock.
+        envs=(VLLM_H20_STRICT=1 "VLLM_H20_STEP_TIMES=$SH/steps/$n")
         [ "$n" = v4marlin ] && args+=(--moe-backend marlin)  # the recipe's Humming, overridden
         case $n in
             stock|v4stock) envs+=(VLLM_H20_MOE_DISPATCH=stock) ;;
@@ -346,7 +349,7 @@ steptime)
         --format=csv -l 1 >> "$SH/steptime/nvidia-smi.csv" 2>/dev/null &
     smi=$!
     $(pin "$CLIENT_CPUS") python3 benchmarks/serve_h200/steptime.py --out "$SH/steptime" \
-        ${STEPTIME_ARGS:-} "${specs[@]}"
+        --step-times "$SH/steps" ${STEPTIME_ARGS:-} "${specs[@]}"
     rc=$?
     kill "$smi" 2>/dev/null
     exit $rc
@@ -410,7 +413,7 @@ collect)
         > "$SH/logs/vllm-deepgemm-kernels.txt" 2>&1
     # Triton's kernels (one metadata JSON each): `stalls.py` counts both per sweep cell.
     list_by_time "$TRITON_CACHE_DIR" triton-cache.txt -name '*.json' ! -name '__grp__*'
-    tar -czf "$OUT/serve_h200.tar.gz" -C "$SH" logs check runs steptime
+    tar -czf "$OUT/serve_h200.tar.gz" -C "$SH" logs check runs steptime steps
     ls -l "$OUT"
     ;;
 *) echo "unknown step $step" >&2; exit 2 ;;

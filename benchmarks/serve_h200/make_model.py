@@ -14,6 +14,13 @@ Two ways to get weights:
   shard per layer, generated on `--device` (~41 GB for 3 MoE layers; its time on a GPU is not
   measured yet). Routing then depends on the token.
 
+The router (`--router`): `trained` (default from round 5) is DeepSeek-V3's auxiliary-loss-free
+gate as Kimi-K2 runs it with 384 experts (`noaux_tc`: sigmoid scores, top-6 of score + a
+per-expert `e_score_correction_bias`, one group), the bias fitted so that each layer's expert
+loads follow the only per-expert load table DeepSeek has published (the EPLB example,
+`cases.EPLB_EXAMPLE_LOADS`: hottest expert ~2.1x the mean, coefficient of variation ~0.6);
+`random`: rounds 2-4's softmax top-6 of a random gate (nearly uniform loads).
+
     python benchmarks/serve_h200/make_model.py .stage/model
     python benchmarks/serve_h200/make_model.py $SH/stage/model --weights --layers 4 --device cuda
 """
@@ -22,7 +29,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "moe_dispatch"))
+from cases import EPLB_EXAMPLE_LOADS  # noqa: E402
 
 # V4.1-Flash's routed-expert shapes (the `flash` preset of vllm_h20/convert/synth.py): what
 # the MoE GEMMs see.
@@ -34,13 +47,16 @@ TOP_K = 6
 # rest), so two servers hold the model side by side on one 141 GB H200.
 LAYERS = 5
 VOCAB = 1024
+ROUTERS = ("trained", "random")
 BOS, EOS = "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>"
 
 
 def config(layers: int = LAYERS, hidden: int = HIDDEN, moe_intermediate: int = MOE_INTERMEDIATE,
-           experts: int = EXPERTS, top_k: int = TOP_K) -> dict:  # fmt: skip
+           experts: int = EXPERTS, top_k: int = TOP_K,
+           router: str = "trained") -> dict:  # fmt: skip
     """The HF config.json; attention is DeepSeek-V3's MLA at a small head count so that the
     routed experts dominate each step's weight reads."""
+    trained = router == "trained"
     return {
         "architectures": ["DeepseekV3ForCausalLM"],
         "model_type": "deepseek_v3",
@@ -57,8 +73,8 @@ def config(layers: int = LAYERS, hidden: int = HIDDEN, moe_intermediate: int = M
         "num_experts_per_tok": top_k,
         "n_group": 1,
         "topk_group": 1,
-        "topk_method": "greedy",
-        "scoring_func": "softmax",
+        "topk_method": "noaux_tc" if trained else "greedy",
+        "scoring_func": "sigmoid" if trained else "softmax",
         "norm_topk_prob": True,
         "routed_scaling_factor": 2.5,
         "num_attention_heads": 32,
@@ -152,15 +168,58 @@ def layer_tensors(cfg: dict, i: int) -> list[tuple[str, tuple[int, ...], str]]:
     if i < cfg["first_k_dense_replace"]:
         return t + mlp(p + "mlp.", cfg["intermediate_size"])
     t.append((p + "mlp.gate", (cfg["n_routed_experts"], h), "router"))
+    if cfg["topk_method"] == "noaux_tc":
+        t.append((p + "mlp.gate.e_score_correction_bias", (cfg["n_routed_experts"],), "bias"))
     t += mlp(p + "mlp.shared_experts.", cfg["moe_intermediate_size"] * cfg["n_shared_experts"])
     for e in range(cfg["n_routed_experts"]):
         t += mlp(f"{p}mlp.experts.{e}.", cfg["moe_intermediate_size"])
     return t
 
 
-def _materialize(name: str, shape: tuple[int, ...], kind: str, gen, device: str) -> dict:
+def target_loads(experts: int, seed: int) -> np.ndarray:
+    """Each expert's share of the routed rows (mean 1), drawn from EPLB_EXAMPLE_LOADS (each of
+    its two layers normalized to mean 1); a seed per layer, so each layer has its own hot ones."""
+    loads = np.concatenate([np.asarray(r, float) / np.mean(r) for r in EPLB_EXAMPLE_LOADS])
+    pick = np.random.default_rng(seed).choice(loads, experts)
+    return pick / pick.mean()
+
+
+def expert_shares(bias: np.ndarray, top_k: int, logits: np.ndarray) -> np.ndarray:
+    """Each expert's share of the rows (mean 1) when tokens with these router logits pick the
+    top-k of sigmoid(logit) + bias, as DeepSeek-V3's noaux_tc gate does."""
+    score = 1.0 / (1.0 + np.exp(-logits)) + bias.astype(np.float32)
+    top = np.argpartition(-score, top_k, axis=1)[:, :top_k]
+    counts = np.bincount(top.ravel(), minlength=logits.shape[1])
+    return counts * logits.shape[1] / (top_k * logits.shape[0])
+
+
+def fit_router_bias(loads: np.ndarray, top_k: int, tokens: int = 8192, iters: int = 200,
+                    seed: int = 0) -> np.ndarray:  # fmt: skip
+    """The e_score_correction_bias under which the generated router's loads follow `loads`.
+
+    A token's router logits are ~ N(0, 1) and independent across experts here (unit-variance
+    hidden state through a gate of std 1/sqrt(hidden)); each step moves every expert's bias by
+    a damped, clipped log-ratio of its target to its share on sampled logits, the kind of update
+    DeepSeek-V3's training applies to the same bias."""
+    experts = loads.shape[0]
+    logits = np.random.default_rng(seed).standard_normal((tokens, experts), dtype=np.float32)
+    bias = np.zeros(experts)
+    floor = 0.5 * experts / (top_k * tokens)  # half a row: an unpicked expert's log is finite
+    for _ in range(iters):
+        got = expert_shares(bias, top_k, logits)
+        bias += 0.02 * np.clip(np.log(loads) - np.log(np.maximum(got, floor)), -2.0, 2.0)
+        bias -= bias.mean()
+    return bias
+
+
+def _materialize(name: str, shape: tuple[int, ...], kind: str, gen, device: str,
+                 cfg: dict | None = None, layer: int = 0) -> dict:  # fmt: skip
     import torch
 
+    if kind == "bias":  # the fitted gate bias, float32 as vLLM declares it
+        bias = fit_router_bias(target_loads(shape[0], seed=layer), cfg["num_experts_per_tok"],
+                               seed=layer)  # fmt: skip
+        return {name: torch.from_numpy(bias.astype(np.float32))}
     if kind == "norm":
         return {name + ".weight": torch.ones(shape, dtype=torch.bfloat16)}
     if kind in ("router", "embed"):
@@ -190,7 +249,7 @@ def write_weights(out: Path, cfg: dict, device: str = "cpu", seed: int = 0) -> i
         shard = f"model-{i + 1:05d}-of-{n:05d}.safetensors"
         tensors: dict = {}
         for name, shape, kind in layer_tensors(cfg, i):
-            tensors.update(_materialize(name, shape, kind, gen, device))
+            tensors.update(_materialize(name, shape, kind, gen, device, cfg, i))
         if i == n - 1:
             vocab, h = cfg["vocab_size"], cfg["hidden_size"]
             tensors.update(_materialize("model.embed_tokens", (vocab, h), "embed", gen, device))
@@ -218,9 +277,17 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--weights", action="store_true", help="write a random checkpoint too")
     ap.add_argument("--device", default="cpu", help="where to generate the weights (cuda)")
     ap.add_argument("--small", action="store_true", help="tiny shapes, for tests")
+    ap.add_argument(
+        "--router",
+        choices=ROUTERS,
+        default="trained",
+        help="trained: expert loads shaped like DeepSeek's published example "
+        "(noaux_tc gate, fitted bias); random: nearly uniform (rounds 2-4)",
+    )
     a = ap.parse_args(argv)
     a.out.mkdir(parents=True, exist_ok=True)
-    cfg = config(a.layers, 256, 128, 8, 2) if a.small else config(a.layers)
+    small = (256, 128, 8, 2) if a.small else ()
+    cfg = config(a.layers, *small, router=a.router)
     if a.small:
         cfg.update(intermediate_size=512, q_lora_rank=128, num_attention_heads=2,
                    num_key_value_heads=2)  # fmt: skip

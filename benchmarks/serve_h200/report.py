@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import gzip
 import json
 import math
 import re
@@ -211,48 +212,62 @@ def _routing(chk: Path) -> list[str]:
 
 
 def _steptimes(root: Path) -> list[str]:
-    """Step time per shape and arm (steptime.py), each arm against the first with a 95 % CI."""
-    from vllm_h20.bench.stats import paired_ratio_ci
-
+    """Step time per shape and arm (steptime.py), each arm against the first with a 95 % CI:
+    from the wall clock, and from the engines' own GPU step times where they were logged."""
     lines: list[str] = []
     # The main run first, then the extra runs in their own folders.
     for f in sorted((root / "steptime").glob("**/steptime.json"), key=lambda f: (len(f.parts), f)):
         res = json.loads(f.read_text())
-        cfg, arms = res["config"], res["arms"]
-        ref, others = arms[0], arms[1:]
         what = ("identical prompts, greedy: every token of a step routes to the same experts"
-                if cfg.get("identical") else "unique prompts, greedy")  # fmt: skip
+                if res["config"].get("identical") else "unique prompts, greedy")  # fmt: skip
         lines += [f"## Step time: {what} ([`{f.relative_to(root)}`]({f.relative_to(root)}))", "",
-                  f"`{res['command']}`", "",
-                  f"Median step time per arm (n repeats, coefficient of variation); then each "
-                  f"arm's step time over {ref}'s, paired by repeat: geometric mean and 95 % CI "
-                  f"(above 1: {ref} is faster; a CI that spans 1 is not resolved).", "",
-                  "| shape | n | " + " | ".join(arms) + " | " +
-                  " | ".join(f"{a} / {ref}" for a in others) + " |",
-                  "|---|---:|" + "---:|" * (2 * len(arms) - 1)]  # fmt: skip
-        shapes = dict.fromkeys(s["shape"] for s in res["samples"])
-        for shape in shapes:
-            by: dict[str, dict[int, float]] = {a: {} for a in arms}
-            for s in res["samples"]:
-                if s["shape"] == shape and s["rep"] >= 0:
-                    by[s["arm"]][s["rep"]] = s["step_s"]
-            reps = sorted(set.intersection(*(set(v) for v in by.values())))
-            cells = []
-            for a in arms:
-                v = [by[a][r] * 1e3 for r in reps]
-                cv = statistics.stdev(v) / statistics.fmean(v) if len(v) > 1 else float("nan")
-                cells.append(f"{statistics.median(v):.2f} ms ({cv:.0%})")
-            for a in others:
-                try:
-                    ci = paired_ratio_ci([by[a][r] for r in reps], [by[ref][r] for r in reps])
-                except ValueError:  # a difference of two walls that noise made <= 0
-                    cells.append("not resolved (a sample <= 0)")
-                    continue
-                verdict = "" if ci.resolved else ", not resolved"
-                cells.append(f"{ci.ratio:.3f} ({ci.low:.3f}-{ci.high:.3f}{verdict})")
-            lines.append(f"| {shape} | {len(reps)} | " + " | ".join(cells) + " |")
-        lines.append("")
+                  f"`{res['command']}`", ""]  # fmt: skip
+        if any("gpu_step_ms" in s for s in res["samples"]):
+            lines += ["GPU time per step (the engines' CUDA events; decode: the median over the "
+                      "steps that ran exactly the batch; prefill: the long batch's GPU time "
+                      "minus the short one's):", ""]  # fmt: skip
+            lines += _ratio_table(res, "gpu_step_ms", 1.0)
+            lines += ["Wall clock (two batches' difference):", ""]
+        lines += _ratio_table(res, "step_s", 1e3)
     return lines
+
+
+def _ratio_table(res: dict, key: str, to_ms: float) -> list[str]:
+    """Median of `key` per arm (n repeats, coefficient of variation), then each arm over the
+    first arm, paired by repeat: geometric mean and 95 % CI."""
+    from vllm_h20.bench.stats import paired_ratio_ci
+
+    arms = res["arms"]
+    ref, others = arms[0], arms[1:]
+    lines = [f"Median step time per arm (n repeats, coefficient of variation); then each arm's "
+             f"step time over {ref}'s, paired by repeat: geometric mean and 95 % CI (above 1: "
+             f"{ref} is faster; a CI that spans 1 is not resolved).", "",
+             "| shape | n | " + " | ".join(arms) + " | " +
+             " | ".join(f"{a} / {ref}" for a in others) + " |",
+             "|---|---:|" + "---:|" * (2 * len(arms) - 1)]  # fmt: skip
+    for shape in dict.fromkeys(s["shape"] for s in res["samples"]):
+        by: dict[str, dict[int, float]] = {a: {} for a in arms}
+        for s in res["samples"]:
+            if s["shape"] == shape and s["rep"] >= 0 and key in s:
+                by[s["arm"]][s["rep"]] = s[key]
+        reps = sorted(set.intersection(*(set(v) for v in by.values())))
+        if not reps:
+            continue
+        cells = []
+        for a in arms:
+            v = [by[a][r] * to_ms for r in reps]
+            cv = statistics.stdev(v) / statistics.fmean(v) if len(v) > 1 else float("nan")
+            cells.append(f"{statistics.median(v):.2f} ms ({cv:.0%})")
+        for a in others:
+            try:
+                ci = paired_ratio_ci([by[a][r] for r in reps], [by[ref][r] for r in reps])
+            except ValueError:  # a difference of two walls that noise made <= 0
+                cells.append("not resolved (a sample <= 0)")
+                continue
+            verdict = "" if ci.resolved else ", not resolved"
+            cells.append(f"{ci.ratio:.3f} ({ci.low:.3f}-{ci.high:.3f}{verdict})")
+        lines.append(f"| {shape} | {len(reps)} | " + " | ".join(cells) + " |")
+    return [*lines, ""]
 
 
 def _sweeps(reports: dict[str, Path]) -> list[str]:
@@ -263,6 +278,19 @@ def _sweeps(reports: dict[str, Path]) -> list[str]:
         lines += [f"## {name} sweep ([report]({rep.name}/report.md))", "", table, "",
                   f"![{name} throughput]({rep.name}/throughput.png)", ""]  # fmt: skip
     return lines
+
+
+def _keep_step_logs(src: Path, dst: Path) -> None:
+    """Each server's per-step GPU log (every process's lines, in time order), gzipped: the raw
+    evidence behind steptime.json's GPU columns."""
+    from vllm_h20.serve.steptimes import read
+
+    for d in sorted(p for p in src.glob("*") if p.is_dir()) if src.exists() else []:
+        steps = read(d)
+        if steps:
+            dst.mkdir(parents=True, exist_ok=True)
+            body = "".join(json.dumps(x) + "\n" for x in steps).encode()
+            (dst / f"{d.name}.jsonl.gz").write_bytes(gzip.compress(body, mtime=0))
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -280,6 +308,7 @@ def main(argv: list[str] | None = None) -> None:
         for sub in ("check", "runs", "steptime"):
             if (root / sub).exists():
                 shutil.copytree(root / sub, a.out / sub, dirs_exist_ok=True)
+        _keep_step_logs(root / "steps", a.out / "steps")
         (a.out / "logs").mkdir(exist_ok=True)
         for p in (root / "logs").iterdir():
             text = p.read_text(errors="replace")

@@ -12,6 +12,13 @@ sample isolates the quantity the fix changes:
 - prefill: P requests with long prompts and P with short ones, one token each: the difference
   is the prefill of the long prompts' extra tokens (one or two chunks).
 
+With `--step-times ROOT` (each server started with `VLLM_H20_STEP_TIMES=ROOT/NAME`, as
+`h200.sh serve` does), every sample also carries the GPU's side, from the engine's own per-step
+CUDA events (vllm_h20/serve/steptimes.py): for decode, the median GPU time of the long batch's
+steps that ran exactly B requests (`gpu_step_ms`, and the forward alone, `forward_ms`); for
+prefill, the long batch's summed GPU step time minus the short one's. Host jitter, HTTP and
+scheduling then stay out of the comparison altogether.
+
 Every sample uses prompts no server has seen (prefix caching cannot skip a prefill), the same
 prompts for every arm of a repeat. Arms run one at a time in an order that alternates each
 repeat (A B C D, D C B A, ...), so a slow drift of the machine lands on every arm alike.
@@ -25,11 +32,19 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import statistics
 import sys
 import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+
+# Where the step-time log's reader lives; the GPU machine runs this script from the repository.
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from vllm_h20.serve.steptimes import read as read_steps  # noqa: E402
+
+# The engine's log thread writes a step this long after it completed (steptimes._POLL_S x 3).
+LOG_LAG_S = 0.3
 
 # make_model.py's byte-level tokenizer gives ~5.8 tokens per word (probe.py's note).
 WORDS = ("expert", "router", "kernel", "tensor", "cache", "token", "batch", "scale", "block",
@@ -57,7 +72,7 @@ def complete(url: str, model: str, prompt: str, tokens: int, timeout: float) -> 
 def batch_wall(url: str, model: str, texts: list[str], tokens: int, timeout: float) -> dict:
     """Send every prompt at once; the wall time until the last answer, and the token counts."""
     with ThreadPoolExecutor(len(texts)) as ex:
-        t0 = time.perf_counter()
+        start, t0 = time.time(), time.perf_counter()
         futs = [ex.submit(complete, url, model, t, tokens, timeout) for t in texts]
         out = [f.result() for f in futs]
         wall = time.perf_counter() - t0
@@ -65,7 +80,7 @@ def batch_wall(url: str, model: str, texts: list[str], tokens: int, timeout: flo
     if any(g != tokens for g in gen):
         raise RuntimeError(f"{model}: asked for {tokens} tokens, got {min(gen)}-{max(gen)}")
     prompt = [o["usage"]["prompt_tokens"] for o in out]
-    return {"wall_s": wall, "prompt_tokens": sum(prompt)}
+    return {"wall_s": wall, "prompt_tokens": sum(prompt), "window": (start, start + wall)}
 
 
 def shapes(a) -> list[dict]:
@@ -81,7 +96,34 @@ def shapes(a) -> list[dict]:
     return out
 
 
-def sample(url: str, model: str, shape: dict, seed: int, timeout: float) -> dict:
+def gpu_side(steps: list[dict], shape: dict, short: tuple, long: tuple) -> dict:
+    """The GPU's step time for one sample from the engine's step log (`steps`, all of this
+    server's), given the two batches' (start, end) windows. Decode: the median over the long
+    batch's steps that ran exactly `batch` requests, one token each; prefill: the long batch's
+    summed GPU step time minus the short one's. Empty when the log has no such step."""
+
+    def within(w):
+        return [s for s in steps if w[0] <= s["t"] <= w[1]]
+
+    if shape["kind"] == "decode":
+        b = shape["batch"]
+        full = [s for s in within(long) if s["tokens"] == b and s["reqs"] == b]
+        if not full:
+            return {}
+        return {"gpu_step_ms": statistics.median(s["gpu_ms"] for s in full),
+                "forward_ms": statistics.median(s["forward_ms"] for s in full),
+                "host_step_ms": statistics.median(s["host_ms"] for s in full),
+                "gpu_steps": len(full), "padded": sorted({s["padded"] for s in full})}  # fmt: skip
+    a, b = within(short), within(long)
+    if not a or not b:
+        return {}
+    return {"gpu_step_ms": sum(s["gpu_ms"] for s in b) - sum(s["gpu_ms"] for s in a),
+            "forward_ms": sum(s["forward_ms"] for s in b) - sum(s["forward_ms"] for s in a),
+            "gpu_steps": len(b)}  # fmt: skip
+
+
+def sample(url: str, model: str, shape: dict, seed: int, timeout: float,
+           step_log: Path | None = None) -> dict:  # fmt: skip
     b, same = shape["batch"], shape["identical"]
     if shape["kind"] == "decode":
         short = batch_wall(url, model, prompts(seed, b, shape["words"], same),
@@ -89,14 +131,19 @@ def sample(url: str, model: str, shape: dict, seed: int, timeout: float) -> dict
         long = batch_wall(url, model, prompts(seed + 1, b, shape["words"], same),
                           shape["long_tokens"], timeout)  # fmt: skip
         steps = shape["long_tokens"] - shape["short_tokens"]
-        return {"short_s": short["wall_s"], "long_s": long["wall_s"], "steps": steps,
-                "step_s": (long["wall_s"] - short["wall_s"]) / steps,
-                "prompt_tokens": long["prompt_tokens"]}  # fmt: skip
-    short = batch_wall(url, model, prompts(seed, b, shape["short_words"], same), 1, timeout)
-    long = batch_wall(url, model, prompts(seed + 1, b, shape["words"], same), 1, timeout)
-    return {"short_s": short["wall_s"], "long_s": long["wall_s"],
-            "extra_prompt_tokens": long["prompt_tokens"] - short["prompt_tokens"],
-            "step_s": long["wall_s"] - short["wall_s"]}  # fmt: skip
+        out = {"short_s": short["wall_s"], "long_s": long["wall_s"], "steps": steps,
+               "step_s": (long["wall_s"] - short["wall_s"]) / steps,
+               "prompt_tokens": long["prompt_tokens"]}  # fmt: skip
+    else:
+        short = batch_wall(url, model, prompts(seed, b, shape["short_words"], same), 1, timeout)
+        long = batch_wall(url, model, prompts(seed + 1, b, shape["words"], same), 1, timeout)
+        out = {"short_s": short["wall_s"], "long_s": long["wall_s"],
+               "extra_prompt_tokens": long["prompt_tokens"] - short["prompt_tokens"],
+               "step_s": long["wall_s"] - short["wall_s"]}  # fmt: skip
+    if step_log is not None:
+        time.sleep(LOG_LAG_S)
+        out.update(gpu_side(read_steps(step_log), shape, short["window"], long["window"]))
+    return out
 
 
 def arm_order(arms: list[str], rep: int) -> list[str]:
@@ -130,13 +177,21 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=20261203)
     ap.add_argument("--identical", action="store_true",
                     help="one prompt per batch, greedy: the concentrated-routing case")  # fmt: skip
+    ap.add_argument(
+        "--step-times",
+        type=Path,
+        default=None,
+        metavar="ROOT",
+        help="ROOT/NAME: each server's VLLM_H20_STEP_TIMES folder (GPU step times)",
+    )
     a = ap.parse_args(argv)
     arms = servers(a.servers)
     a.out.mkdir(parents=True, exist_ok=True)
     path = a.out / "steptime.json"
     res = json.loads(path.read_text()) if path.exists() else {}
     # More repeats or another timeout may resume a file; any other setting needs its own.
-    config = {k: v for k, v in vars(a).items() if k not in ("out", "servers", "repeats", "timeout")}
+    config = {k: v for k, v in vars(a).items()
+              if k not in ("out", "servers", "repeats", "timeout", "step_times")}  # fmt: skip
     if res and res.get("config") != config:
         sys.exit(f"steptime: {path} was measured with other settings; use another --out")
     res.update(command="python benchmarks/serve_h200/steptime.py " + " ".join(argv or sys.argv[1:]),
@@ -157,7 +212,8 @@ def main(argv: list[str] | None = None) -> int:
                     continue
                 seed = a.seed + 100_000 * si + 1_000 * (rep + a.warmup)
                 try:
-                    s = sample(arms[arm], arm, shape, seed, a.timeout)
+                    log = a.step_times / arm if a.step_times else None
+                    s = sample(arms[arm], arm, shape, seed, a.timeout, log)
                 except (OSError, RuntimeError, KeyError, ValueError) as e:
                     path.write_text(json.dumps(res, indent=1))
                     print(f"steptime: {arm} {shape['shape']} rep {rep}: {e}", file=sys.stderr)
@@ -168,6 +224,8 @@ def main(argv: list[str] | None = None) -> int:
                 path.write_text(json.dumps(res, indent=1))  # each sample: a cut call keeps it
                 tag = "warm-up" if rep < 0 else f"rep {rep}"
                 walls = f"short {s['short_s']:.3f} s, long {s['long_s']:.3f} s"
+                if "gpu_step_ms" in s:
+                    walls += f"; GPU {s['gpu_step_ms']:.3f} ms ({s['gpu_steps']} steps)"
                 print(f"{shape['shape']:>16} {tag:>8} {arm:>9}: {s['step_s'] * 1e3:8.3f} ms "
                       f"({walls})", flush=True)  # fmt: skip
     return 0

@@ -64,8 +64,12 @@ def test_test_model_is_deepseek_v3_with_v41_flash_expert_shapes(model_dir):
         128,
         128,
     ]
-    # Plain top-6 of a softmax: no random correction bias deciding every token's experts.
-    assert cfg.topk_method == "greedy" and cfg.n_group == 1
+    # DeepSeek-V3's gate with one group (as Kimi-K2 runs 384 experts); `--router random` is
+    # rounds 2-4's plain top-6 of a softmax.
+    assert (cfg.topk_method, cfg.scoring_func, cfg.n_group, cfg.topk_group) == (
+        "noaux_tc", "sigmoid", 1, 1)  # fmt: skip
+    plain = make_model.config(router="random")
+    assert (plain["topk_method"], plain["scoring_func"]) == ("greedy", "softmax")
     assert make_model.expert_bytes(make_model.config()) == 4 * 384 * 3 * 5120 * 2304
     tok = transformers.AutoTokenizer.from_pretrained(model_dir)
     ids = tok("Serving experts on Hopper")["input_ids"]
@@ -285,7 +289,7 @@ def test_generated_weights_have_the_names_shapes_and_dtypes_vllm_loads(tmp_path)
     cfg = transformers.AutoConfig.from_pretrained(out)
     with torch.device("meta"):
         ref = transformers.AutoModelForCausalLM.from_config(cfg).state_dict()
-    dense = {k for k in ref if ".mlp.experts." not in k and "e_score_correction_bias" not in k}
+    dense = {k for k in ref if ".mlp.experts." not in k}
     ours = {k for k in tensors if ".mlp.experts." not in k and not k.endswith("_scale_inv")}
     assert ours == dense
     for k in dense:
@@ -298,11 +302,34 @@ def test_generated_weights_have_the_names_shapes_and_dtypes_vllm_loads(tmp_path)
     assert s.dtype == torch.float32 and tuple(s.shape) == (2, 1)
     kv = tensors["model.layers.0.self_attn.kv_a_proj_with_mqa.weight_scale_inv"]
     assert tuple(kv.shape) == (5, 2)  # (512 + 64) x 256: a partial last block row
-    # Unit-variance tokens through the router: routing depends on the token.
+    # Unit-variance tokens through the router (DeepSeek-V3's noaux_tc gate): routing depends
+    # on the token; the bias is float32, one per expert, and not all zero (it was fitted).
+    assert cfg.topk_method == "noaux_tc" and cfg.scoring_func == "sigmoid"
     gate = tensors["model.layers.1.mlp.gate.weight"].float()
+    bias = tensors["model.layers.1.mlp.gate.e_score_correction_bias"]
+    assert bias.dtype == torch.float32 and tuple(bias.shape) == (cfg.n_routed_experts,)
+    assert bias.abs().max() > 0
     x = torch.randn(64, cfg.hidden_size, generator=torch.Generator().manual_seed(0))
-    top = torch.topk(x @ gate.T, cfg.num_experts_per_tok, dim=1).indices
-    assert len({tuple(sorted(r.tolist())) for r in top}) > 16
+    top = torch.topk(torch.sigmoid(x @ gate.T) + bias, cfg.num_experts_per_tok, dim=1).indices
+    assert len({tuple(sorted(r.tolist())) for r in top}) > 8  # of 28 pairs; dummy weights: 1
+
+
+def test_fitted_router_bias_gives_the_published_load_shape():
+    """The bias fit, checked on logits it never saw: each expert's share of the rows follows its
+    target (warm and hot experts: median error under 10 %, none over 40 %: the fit's own
+    sampling noise), and the layer's skew is the EPLB example's."""
+    loads = make_model.target_loads(384, seed=3)
+    bias = make_model.fit_router_bias(loads, 6, seed=3)
+    fresh = np.random.default_rng(99).standard_normal((16384, 384), dtype=np.float32)
+    got = make_model.expert_shares(bias, 6, fresh)
+    assert abs(got.mean() - 1) < 1e-9
+    warm = loads >= 0.8
+    err = np.abs(got[warm] / loads[warm] - 1)
+    assert np.median(err) < 0.1 and err.max() < 0.4
+    assert abs(got.max() - loads.max()) < 0.5 and abs(got.std() - loads.std()) < 0.05
+    # Without the bias the same router is nearly uniform (rounds 2-4).
+    flat = make_model.expert_shares(np.zeros(384), 6, fresh)
+    assert flat.std() < 0.1 < loads.std()
 
 
 def test_serve_goes_on_without_a_plan_for_a_v3_checkpoint(tmp_path):
@@ -574,3 +601,51 @@ def test_h20_projection_rebuilds_from_committed_files():
     for row in rows:
         lo, hi = row.split(" | ")[5].rstrip("x").split("-")
         assert 1.0 < float(lo) <= float(hi)
+
+
+def test_gpu_side_reads_the_engines_step_log():
+    """Decode: the median GPU time of the long batch's steps at exactly the batch (its ramp-up,
+    ramp-down and the other batch's steps left out); prefill: long minus short."""
+
+    def step(t, tokens, reqs, gpu, fwd=None):
+        return {"t": t, "tokens": tokens, "reqs": reqs, "padded": tokens, "gpu_ms": gpu,
+                "forward_ms": fwd or gpu - 0.5, "host_ms": gpu + 1}  # fmt: skip
+
+    steps = [
+        step(1.0, 4, 4, 99.0),  # the short batch
+        step(10.0, 400, 4, 30.0),
+        step(10.1, 3, 3, 5.0),  # the long one's prefill, ramp-up
+        *[step(10.2 + i / 100, 4, 4, 6.0 + i % 3) for i in range(9)],
+        step(10.5, 2, 2, 3.0),
+        step(30.0, 4, 4, 50.0),
+    ]  # ramp-down, a later sample
+    shape = {"kind": "decode", "batch": 4}
+    got = steptime.gpu_side(steps, shape, (0.5, 2.0), (9.9, 11.0))
+    assert got == {"gpu_step_ms": 7.0, "forward_ms": 6.5, "host_step_ms": 8.0, "gpu_steps": 9,
+                   "padded": [4]}  # fmt: skip
+    assert steptime.gpu_side(steps, {"kind": "decode", "batch": 8}, (0.5, 2.0), (9.9, 11.0)) == {}
+    pre = steptime.gpu_side(steps, {"kind": "prefill", "batch": 4}, (0.5, 2.0), (9.9, 10.15))
+    assert pre == {"gpu_step_ms": 35.0 - 99.0, "forward_ms": 34.0 - 98.5, "gpu_steps": 2}
+
+
+def test_report_puts_gpu_step_times_beside_the_wall_clock(tmp_path):
+    """Where the samples carry the engines' GPU times, the summary gives their paired ratio
+    first (here stock 10 % slower in every repeat: resolved), then the wall clock's."""
+    samples = []
+    for rep in range(4):
+        for arm, gpu in (("fix", 5.0 + rep / 10), ("stock", 1.1 * (5.0 + rep / 10))):
+            samples.append({"shape": "decode-64", "kind": "decode", "batch": 64, "rep": rep,
+                            "arm": arm, "step_s": 0.006 + rep / 1e4,
+                            "gpu_step_ms": gpu})  # fmt: skip
+    (tmp_path / "steptime").mkdir()
+    (tmp_path / "steptime" / "steptime.json").write_text(
+        json.dumps(
+            {"command": "steptime.py", "config": {}, "arms": ["fix", "stock"], "samples": samples}
+        )
+    )
+    lines = report._steptimes(tmp_path)
+    rows = [x for x in lines if x.startswith("| decode-64 |")]
+    assert len(rows) == 2
+    assert rows[0].split("|")[-2].strip() == "1.100 (1.100-1.100)"
+    assert "not resolved" in rows[1] or rows[1].split("|")[-2].strip().startswith("1.000")
+    assert lines.index(rows[0]) < lines.index("Wall clock (two batches' difference):")

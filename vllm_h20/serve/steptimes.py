@@ -1,0 +1,136 @@
+"""Per-step GPU time of vLLM's model runner, for serving A/Bs (`VLLM_H20_STEP_TIMES=DIR`).
+
+The wall time of a served batch mixes HTTP, scheduling and host jitter into the step time; a
+CUDA event pair around the model forward times what the GPU did. Each process that runs a
+model runner appends one JSON line per step to `DIR/steps-<pid>.jsonl`:
+
+    {"t": 1733333333.123, "tokens": 128, "reqs": 128, "padded": 128,
+     "forward_ms": 5.91, "gpu_ms": 6.02, "host_ms": 6.40}
+
+`t` is the step's start (Unix time), `tokens`/`reqs` what the scheduler gave the step, `padded`
+the forward's token count (the CUDA-graph size), `forward_ms` the GPU time of the forward,
+`gpu_ms` forward start to the end of sampling on the GPU, `host_ms` the host's time in
+`execute_model` + `sample_tokens`. A thread reads the events once they have completed, so the
+engine never waits on them. Off unless the variable is set; the plugin imports this then only.
+vLLM's V1 model runner (DeepSeek-V3's in vLLM 0.26-0.33) is the one wrapped; a model on the V2
+runner logs nothing.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import os
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+_POLL_S = 0.1
+_ATTR = "_vllm_h20_step"  # per-runner state between execute_model, the forward and sampling
+
+
+class StepLog:
+    """Completed steps' events -> JSON lines, drained off the engine's thread."""
+
+    def __init__(self, directory: Path) -> None:
+        directory.mkdir(parents=True, exist_ok=True)
+        self.path = directory / f"steps-{os.getpid()}.jsonl"
+        self.pending: collections.deque = collections.deque()
+        self._thread: threading.Thread | None = None
+
+    def add(self, record: dict, events: tuple) -> None:
+        if self._thread is None:
+            import torch
+
+            device = torch.cuda.current_device()
+            self._thread = threading.Thread(target=self._drain, args=(device,), daemon=True,
+                                            name="vllm-h20-step-times")  # fmt: skip
+            self._thread.start()
+        self.pending.append((record, events))
+
+    def _drain(self, device: int) -> None:
+        import torch
+
+        torch.cuda.set_device(device)
+        with open(self.path, "a", buffering=1) as f:
+            while True:
+                while self.pending and self.pending[0][1][-1].query():
+                    record, (start, forward_end, end) = self.pending.popleft()
+                    record["forward_ms"] = round(start.elapsed_time(forward_end), 4)
+                    record["gpu_ms"] = round(start.elapsed_time(end), 4)
+                    f.write(json.dumps(record) + "\n")
+                time.sleep(_POLL_S)
+
+
+def install(directory: Path) -> bool:
+    """Wrap vLLM's GPUModelRunner (execute_model, _model_forward, sample_tokens) to log each
+    step; False when already installed in this process."""
+    import torch
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner as Runner
+
+    if getattr(Runner, "_vllm_h20_step_log", None) is not None:
+        return False
+    log = StepLog(directory)
+    execute, forward, sample = Runner.execute_model, Runner._model_forward, Runner.sample_tokens
+
+    def event() -> Any:
+        e = torch.cuda.Event(enable_timing=True)
+        e.record()
+        return e
+
+    def finish(runner: Any) -> None:
+        state = runner.__dict__.pop(_ATTR, None)
+        if state is None or "events" not in state:  # no forward ran (an empty step)
+            return
+        record = state["record"]
+        record["host_ms"] = round((time.perf_counter() - state["host_t0"]) * 1e3, 4)
+        log.add(record, (*state["events"], event()))
+
+    def execute_model(self, scheduler_output, *args, **kwargs):
+        self.__dict__[_ATTR] = {
+            "host_t0": time.perf_counter(),
+            "record": {"t": round(time.time(), 4),
+                       "tokens": int(scheduler_output.total_num_scheduled_tokens),
+                       "reqs": len(scheduler_output.num_scheduled_tokens)},
+        }  # fmt: skip
+        out = execute(self, scheduler_output, *args, **kwargs)
+        if out is not None:  # no sample_tokens() follows this step
+            finish(self)
+        return out
+
+    def model_forward(self, *args, **kwargs):
+        state = self.__dict__.get(_ATTR)
+        # Outside a scheduled step (start-up's dummy runs, CUDA-graph capture): nothing to time.
+        if state is None or torch.cuda.is_current_stream_capturing():
+            return forward(self, *args, **kwargs)
+        start = event()
+        out = forward(self, *args, **kwargs)
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        state["record"]["padded"] = int(ids.shape[0]) if ids is not None else None
+        state["events"] = (start, event())
+        return out
+
+    def sample_tokens(self, *args, **kwargs):
+        out = sample(self, *args, **kwargs)
+        finish(self)
+        return out
+
+    Runner.execute_model = execute_model
+    Runner._model_forward = model_forward
+    Runner.sample_tokens = sample_tokens
+    Runner._vllm_h20_step_log = log
+    return True
+
+
+def read(directory: Path) -> list[dict]:
+    """Every step logged under `directory` (all processes), oldest first; a line cut short by a
+    running writer is skipped."""
+    steps = []
+    for f in sorted(Path(directory).glob("steps-*.jsonl")):
+        for line in f.read_text().splitlines():
+            try:
+                steps.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue
+    return sorted(steps, key=lambda s: s["t"])
