@@ -8,7 +8,7 @@ Per decode step at concurrency C (every rank's experts see all C tokens' routed 
   the kernel-level run of the shipped series and calibrated to the seed's uniform-288 fused-op
   times) for the fused op's slowest EP rank, stock and fix, times the model's MoE layers;
 - the rest of a layer (attention, dense and shared-expert GEMMs, norms, routing, sampling): the
-  round-4 H200 profile's non-MoE-GEMM kernel time per layer at batch 128 (stock server), carried
+  round-5 H200 profile's non-MoE-GEMM kernel time per layer at batch 128 (stock server), carried
   to H20 two ways that bracket it: divided by TP8 (its linears and attention split over 8 GPUs)
   and not divided, both times the datasheet bandwidth ratio (4.8 / 4.0 TB/s: decode kernels are
   memory-bound). Inter-GPU communication is not in either: nothing measured it.
@@ -28,12 +28,13 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
 RESULTS = REPO / "benchmarks" / "results"
-KERNEL_RUN = RESULTS / "moe_dispatch" / "whole-expert-tiles-v2-h200"
-PROFILES = RESULTS / "serve_h200" / "round4-step-time" / "check"
+KERNEL_RUN = RESULTS / "moe_dispatch" / "hot-first-h200"
+ROUND = RESULTS / "serve_h200" / "round5-gpu-step-time"
+PROFILES = ROUND / "check"
 LAYERS = 40  # V4.1-Flash has 40 layers; all counted as MoE layers (an upper bound on MoE time)
 TP = 8
 PROFILED_STEPS = 12  # the profiler's schedule in h200.sh
-# Layers of the round-4 test model: 1 dense + 2 MoE (LAYERS=3 in h200.sh weights).
+# Layers of the round-5 test model: 1 dense + 2 MoE (LAYERS=3 in h200.sh weights).
 TEST_MODEL_LAYERS = 3
 # The seed write-up (8xH20, vLLM v0.30.0, GuideLLM 0.7.4): decode output tok/s, Humming W4A8 ->
 # tuned FP8 (the fix with the rest of its recipe), mean of 3 runs each.
@@ -71,6 +72,19 @@ def rest_per_layer_h200(profiles: Path = PROFILES) -> float:
     return (prof["kernel_us_total"] - moe) * 1e-6 / PROFILED_STEPS / TEST_MODEL_LAYERS
 
 
+def measured_h200(batch: int, run: Path = ROUND) -> str:
+    """Round 5's GPU decode step at `batch`, stock over fix, paired by repeat (95 % CI)."""
+    sys.path.insert(0, str(REPO))
+    from vllm_h20.bench.stats import paired_ratio_ci
+
+    res = json.loads((run / "steptime" / "steptime.json").read_text())
+    by = {(s["arm"], s["rep"]): s["gpu_step_ms"] for s in res["samples"]
+          if s["shape"] == f"decode-{batch}" and s["rep"] >= 0}  # fmt: skip
+    reps = sorted(r for a, r in by if a == "fix" and ("stock", r) in by)
+    ci = paired_ratio_ci([by["stock", r] for r in reps], [by["fix", r] for r in reps])
+    return f"{ci.ratio:.2f}x ({ci.low:.2f}-{ci.high:.2f}, n {ci.n})"
+
+
 def render() -> str:
     rr = _load(REPO / "benchmarks" / "moe_dispatch" / "report_run.py", "moe_dispatch_report_run")
     cal, overhead, predict = h20_moe(rr)
@@ -86,7 +100,7 @@ def render() -> str:
         f"[`{KERNEL_RUN.name}`](../../moe_dispatch/{KERNEL_RUN.name}/README.md) and calibrated "
         f"to the seed (tensor rate {cal['tc'] / 1e12:.0f} TFLOP/s, bandwidth "
         f"{cal['bw'] / 1e12:.2f} TB/s, the fused op's other kernels {overhead * 1e6:.0f} us); "
-        "the rest of a layer from [round 4](../round4-step-time/README.md)'s stock profile "
+        f"the rest of a layer from [round 5](../{ROUND.name}/README.md)'s stock profile "
         f"({rest_h200 * 1e3:.3f} ms per layer on the H200), on H20 "
         f"{rest['TP8'] * 1e3:.3f} ms (split over TP8) to {rest['TP1'] * 1e3:.3f} ms (not "
         f"split); {LAYERS} layers, each counted as a MoE layer; no communication, no "
@@ -98,7 +112,7 @@ def render() -> str:
     ]
     for c, (hum, tuned) in SEED_DECODE.items():
         for routing in ROUTINGS:
-            s, f = predict(routing, c, "stock"), predict(routing, c, "classes")
+            s, f = predict(routing, c, "stock"), predict(routing, c, "hot_first")
             st = [LAYERS * (s + r) for r in rest.values()]
             fx = [LAYERS * (f + r) for r in rest.values()]
             ratio = [a / b for a, b in zip(st, fx, strict=True)]
@@ -119,8 +133,10 @@ def render() -> str:
         "ones compare in trend, not in value. What "
         "the projection says: on H20 the routed-expert GEMMs would dominate a decode step at "
         "64-256 concurrent requests, and the kernel choice alone would shorten it by the ratio "
-        "in the stock / fix column; the H200's measured 1.10-1.13x (round 4) is smaller because "
-        "an H200's tensor cores make stock's padded MMA work cheap.",
+        "in the stock / fix column. The H200 measured stock / fix on its decode step's GPU time "
+        f"{measured_h200(128)} at batch 128 and {measured_h200(256)} at 256 (round 5, 2 MoE "
+        "layers of 3); smaller, because an H200's tensor cores make stock's padded MMA work "
+        "cheap.",
         "",
     ]
     return "\n".join(lines)

@@ -90,6 +90,7 @@ def summary(root: Path, reports: dict[str, Path], title: str = TITLE) -> str:
     lines += _correctness(chk)
     lines += _routing(chk)
     lines += _steptimes(root)
+    lines += _step_intervals(root / "steps")
     lines += _sweeps(reports)
     return "\n".join(lines) + "\n"
 
@@ -230,6 +231,41 @@ def _steptimes(root: Path) -> list[str]:
             lines += ["Wall clock (two batches' difference):", ""]
         lines += _ratio_table(res, "step_s", 1e3)
     return lines
+
+
+def _step_intervals(steps_dir: Path, batches: tuple[int, ...] = (64, 128, 256)) -> list[str]:
+    """Where a decode step's time goes, from the engines' step logs: per server and batch, the
+    interval between consecutive steps that both ran exactly B requests (under 0.5 s apart: the
+    same batch), beside the GPU's and the host's time of a step (medians, 10-90 % range)."""
+    logs = sorted(steps_dir.glob("*.jsonl.gz")) if steps_dir.exists() else []
+    if not logs:
+        return []
+    lines = ["## Step interval, GPU and host time per decode step (`steps/*.jsonl.gz`)", "",
+             "Every decode step of the lease that ran exactly B requests and was followed by "
+             "another within 0.5 s: the interval between their starts, the GPU's time (forward "
+             "to sampled tokens) and the host's time in execute_model + sample_tokens; median "
+             "(10-90 %), over every run of the lease (the identical-prompt steps are the short "
+             "GPU ones). An interval well above the GPU time: the host sets the pace.", "",
+             "| server | batch | steps | interval | GPU | host |",
+             "|---|---:|---:|---|---|---|"]  # fmt: skip
+
+    def spread(v: list[float]) -> str:
+        q = statistics.quantiles(v, n=10)
+        return f"{statistics.median(v):.2f} ms ({q[0]:.2f}-{q[-1]:.2f})"
+
+    for log in logs:
+        steps = [json.loads(x) for x in gzip.decompress(log.read_bytes()).splitlines()]
+        for b in batches:
+            pairs = [(a, c) for a, c in zip(steps, steps[1:], strict=False)
+                     if a["tokens"] == a["reqs"] == c["tokens"] == c["reqs"] == b
+                     and c["t"] - a["t"] < 0.5]  # fmt: skip
+            if len(pairs) < 2:
+                continue
+            iv = [(c["t"] - a["t"]) * 1e3 for a, c in pairs]
+            lines.append(f"| {log.name.removesuffix('.jsonl.gz')} | {b} | {len(pairs)} | "
+                         f"{spread(iv)} | {spread([a['gpu_ms'] for a, _ in pairs])} | "
+                         f"{spread([a['host_ms'] for a, _ in pairs])} |")  # fmt: skip
+    return [*lines, ""]
 
 
 def _ratio_table(res: dict, key: str, to_ms: float) -> list[str]:

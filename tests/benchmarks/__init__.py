@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import gzip
 import importlib.util
+import io
 import sys
 import tarfile
 from pathlib import Path
@@ -26,4 +28,11 @@ def pack_published(published: Path, tarball: Path) -> Path:
         for sub in ("check", "runs", "logs", "steptime"):
             if (published / sub).exists():
                 t.add(published / sub, arcname=sub)
+        # The engines' step logs, published one gzipped file per server, as the servers wrote
+        # them: one folder per server.
+        for log in sorted(published.glob("steps/*.jsonl.gz")):
+            body = gzip.decompress(log.read_bytes())
+            info = tarfile.TarInfo(f"steps/{log.name.removesuffix('.jsonl.gz')}/steps-0.jsonl")
+            info.size = len(body)
+            t.addfile(info, io.BytesIO(body))
     return tarball

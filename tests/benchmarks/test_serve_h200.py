@@ -257,6 +257,8 @@ def test_published_results_rebuild_from_their_own_run_files(tmp_path, round_dir)
                          capture_output=True, text=True, cwd=ROOT, timeout=600)  # fmt: skip
     assert res.returncode == 0, res.stderr
     assert (out / "summary.md").read_text() == (published / "summary.md").read_text()
+    for log in published.glob("steps/*.jsonl.gz"):  # the engines' step logs (round 5 on)
+        assert (out / "steps" / log.name).read_bytes() == log.read_bytes()
     specs = [s for s in ("decode", "prefill") if (published / s).exists()]
     # Every round has a sweep or step times to rebuild (round 4 measured step times only).
     assert "decode" in specs or "## Step time" in (out / "summary.md").read_text()
