@@ -126,7 +126,7 @@ H20 = Device("H20", 78, 296.0, 4.0)
 
 
 def rank_terms(counts, tokens: int, version: str, sms: int, threshold: int | None = None):
-    """The two GEMMs one rank issues, as (path, terms) for the stock or the fixed estimate."""
+    """The two GEMMs one rank issues, as (path, terms) for the stock or the avg estimate."""
     m = (
         tokens
         if version == "stock"
@@ -157,8 +157,8 @@ def plan_row_classes(expected_m: int, max_m: int, threshold: int) -> tuple[int, 
 
 
 def launches(counts, tokens: int, version: str, sms: int) -> list[tuple[str, list]]:
-    """(path, terms) per kernel launch one rank makes for FC1 + FC2. stock / fixed: one launch
-    per GEMM (fixed = the average-only estimate); split: the per-expert dispatch, a swap-A/B
+    """(path, terms) per kernel launch one rank makes for FC1 + FC2. stock / avg: one launch
+    per GEMM (avg = the average-only estimate); split: the per-expert dispatch, a swap-A/B
     launch for the experts with 1..boundary rows and a regular one for the rest."""
     if version != "split":
         return [rank_terms(counts, tokens, version, sms)]
@@ -282,7 +282,7 @@ def candidate_launches(counts, tokens: int) -> list[tuple[str, list]]:
 
 def predict(fits: dict, counts, tokens: int, version: str, sms: int) -> float:
     """Seconds for one rank's FC1 + FC2 under a version (each launch pays its c0): stock,
-    fixed (average-only), split (the per-expert plan shipped until 2026-12-03), fitted (the
+    avg (average-only), split (the per-expert plan shipped until 2026-12-03), fitted (the
     fitted-tile candidate), classes (the whole-expert-tile plan, shipped 2026-12-03 to 12-04) or
     hot_first (the shipped plan)."""
     if version == "fitted":
@@ -315,7 +315,7 @@ def on_device(fits: dict, tc: float, bw: float) -> dict:
 
 
 def calibrate_to_seed(
-    fits: dict, overhead: float, sms: int = 78, stock_s: float = 1.808e-3, fixed_s: float = 0.564e-3
+    fits: dict, overhead: float, sms: int = 78, stock_s: float = 1.808e-3, avg_s: float = 0.564e-3
 ) -> tuple[float, float]:
     """(tensor rate, bandwidth) that reproduce the seed's H20 uniform-288 fused-op times, stock
     compute-bound and the average-only fix bandwidth-bound, given the fused op's other kernels
@@ -328,7 +328,7 @@ def calibrate_to_seed(
     tc, bw = 250e12, 3.5e12
     for _ in range(6):
         tc = _root(lambda x, bw=bw: gap(x, bw, "stock", stock_s), 20e12, 2000e12)
-        bw = _root(lambda x, tc=tc: gap(tc, x, "fixed", fixed_s), 0.2e12, 10e12)
+        bw = _root(lambda x, tc=tc: gap(tc, x, "avg", avg_s), 0.2e12, 10e12)
     return tc, bw
 
 

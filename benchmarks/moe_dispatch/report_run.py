@@ -372,7 +372,7 @@ def fit_h200(res: dict) -> tuple[dict, int]:
         slots = cases.route(r["routing"], r["tokens"])
         for rank in range(cases.EP):
             counts = cases.rank_counts(slots, rank)
-            for v, version in (("stock", "stock"), ("avg", "fixed")):
+            for v, version in (("stock", "stock"), ("avg", "avg")):
                 path, terms = model.rank_terms(counts, r["tokens"], version, sms)
                 samples[path].append((terms, r[f"{v}_rank_median_s"][rank]))
             if fitted:
@@ -418,8 +418,8 @@ def model_section(res: dict, folder: Path) -> list[str]:
     fits, n = fit_h200(res)
     ab = {(r["routing"], r["tokens"]): r for r in res["ab"]}
     plan = kind_of(res)
-    err = {v: [] for v in ("stock", "fixed", "split", plan)}
-    column = {"stock": "stock", "fixed": "avg", "split": "prev", plan: "fix"}
+    err = {v: [] for v in ("stock", "avg", "split", plan)}
+    column = {"stock": "stock", "avg": "avg", "split": "prev", plan: "fix"}
     for (routing, tokens), r in ab.items():
         for v in err:
             pred = model.slowest_rank(fits, routing, tokens, v, sms)
@@ -476,7 +476,7 @@ def model_section(res: dict, folder: Path) -> list[str]:
     ]
     for routing, tokens, st, ratio in SEED:
         s = model.slowest_rank(h20, routing, tokens, "stock", H20_SMS) + overhead
-        x = model.slowest_rank(h20, routing, tokens, "fixed", H20_SMS) + overhead
+        x = model.slowest_rank(h20, routing, tokens, "avg", H20_SMS) + overhead
         seed = 1.808 / 0.564 if st else ratio
         tag = " (fitted to)" if st else ""
         out.append(
@@ -514,13 +514,13 @@ def h20_cases(res: dict, h20: dict, overhead: float) -> list[str]:
     for r in res["ab"]:
         t = {
             v: model.slowest_rank(h20, r["routing"], r["tokens"], v, H20_SMS) + overhead
-            for v in ("stock", "fixed", "split", plan)
+            for v in ("stock", "avg", "split", plan)
         }
-        best = min(t["stock"], t["fixed"])
+        best = min(t["stock"], t["avg"])
         cells = []
-        for v in ("fixed", "split", plan):
+        for v in ("avg", "split", plan):
             text = f"{t['stock'] / t[v]:.2f}x"
-            if v != "fixed" and best / t[v] < 0.98:
+            if v != "avg" and best / t[v] < 0.98:
                 below[v].append(f"{r['routing']} {r['tokens']}")
                 text = f"**{text}**"
             cells.append(text)
@@ -570,12 +570,12 @@ def ep16_section(h20: dict, overhead: float, plan: str = "fitted") -> list[str]:
             for step in (64, 128, 256, 512):
                 rows = step * dp
                 t = {v: model.slowest_rank(h20, routing, rows, v, H20_SMS, ep) + overhead
-                     for v in ("stock", "fixed", "split", plan)}  # fmt: skip
+                     for v in ("stock", "avg", "split", plan)}  # fmt: skip
                 avg = max(1, -(-rows * cases.TOP_K // cases.SLOTS))
                 out.append(f"| {label} | {routing} | {step} | {rows} | {avg} | "
                            f"{t['stock'] * 1e3:.3f} | "
                            + " | ".join(f"{t['stock'] / t[v]:.2f}x"
-                                        for v in ("fixed", "split", plan)) + " |")  # fmt: skip
+                                        for v in ("avg", "split", plan)) + " |")  # fmt: skip
     return out
 
 
