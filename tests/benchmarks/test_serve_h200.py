@@ -22,6 +22,8 @@ ROOT = Path(__file__).resolve().parents[2]
 HERE = ROOT / "benchmarks" / "serve_h200"
 RESULTS = ROOT / "benchmarks" / "results" / "serve_h200"
 RECIPE = ROOT / "recipes" / "test-h200-dsv3-fp8-flashinfer-cutlass.yaml"
+# The V4 journey's driver: its own steps, the serving driver's for the rest, with its servers.
+JOURNEY = ROOT / "benchmarks" / "journey_h200" / "h200.sh"
 
 
 # Under names of their own (other benchmark folders have a stage.py and a report.py too).
@@ -98,15 +100,24 @@ def test_serve_dry_run_skips_the_plan_for_dummy_weights(model_dir):
     assert "Traceback" not in missing.stderr
 
 
-def test_device_script_parses_and_refuses_unknown_steps(tmp_path):
-    script = HERE / "h200.sh"
-    assert subprocess.run(["bash", "-n", str(script)]).returncode == 0
-    res = subprocess.run(["bash", str(script), "frobnicate"], capture_output=True, text=True,
-                         env={"SH": str(tmp_path), "PATH": "/usr/bin:/bin"})  # fmt: skip
-    assert res.returncode == 2 and "unknown step frobnicate" in res.stderr
-    res = subprocess.run(["bash", str(script), "wait", "nosuch"], capture_output=True,
-                         text=True, env={"SH": str(tmp_path), "PATH": "/usr/bin:/bin"})  # fmt: skip
-    assert res.returncode == 1 and "unknown server nosuch" in res.stderr
+def test_device_scripts_parse_and_refuse_unknown_steps_and_servers(tmp_path):
+    """Both drivers: an unknown step or server is refused in one line; each knows only its own
+    servers (the journey's driver hands the serving steps its own table)."""
+    env = {"SH": str(tmp_path), "PATH": "/usr/bin:/bin"}
+
+    def run(script: Path, *args: str) -> subprocess.CompletedProcess:
+        return subprocess.run(["bash", str(script), *args], capture_output=True, text=True,
+                              env=env, timeout=60)  # fmt: skip
+
+    for script in (HERE / "h200.sh", JOURNEY):
+        assert subprocess.run(["bash", "-n", str(script)]).returncode == 0
+        res = run(script, "frobnicate")
+        assert res.returncode == 2 and "unknown step frobnicate" in res.stderr
+    res = run(HERE / "h200.sh", "wait", "v4hum")
+    assert res.returncode == 1 and "unknown server v4hum (fix|stock|triton|deepgemm)" in res.stderr
+    res = run(JOURNEY, "wait", "fix")
+    assert res.returncode == 1 and "unknown server fix (v4hum|v4fix|v4stock|v4marlin)" in res.stderr
+    assert run(HERE / "h200.sh", "v4prep").returncode == 2  # the journey's step, not this one's
 
 
 def test_stage_keeps_what_kernels_build_needs_in_the_boot_tar():
@@ -134,7 +145,8 @@ def test_stage_sizes_pieces_beside_the_working_tree_and_keeps_only_pinned_wheels
 
 
 def test_device_script_v4_steps_synthesize_convert_and_verify(tmp_path):
-    """`h200.sh v4prep` (v4release + v4convert in the background) on the tiny preset: our CLI
+    """`journey_h200/h200.sh v4prep` (v4release + v4convert in the background) on the tiny
+    preset: our CLI
     end to end as the GPU machine runs it (synth, the BPE tokenizer, convert, verify), without
     a GPU; asked again while it runs it reports, once done it says so."""
     pytest.importorskip("tokenizers")
@@ -143,7 +155,7 @@ def test_device_script_v4_steps_synthesize_convert_and_verify(tmp_path):
            "PYTHONPATH": str(ROOT)}  # fmt: skip
 
     def prep() -> str:
-        res = subprocess.run(["bash", str(HERE / "h200.sh"), "v4prep"], capture_output=True,
+        res = subprocess.run(["bash", str(JOURNEY), "v4prep"], capture_output=True,
                              text=True, env=env, timeout=60)  # fmt: skip
         assert res.returncode == 0, res.stdout + res.stderr
         return res.stdout
@@ -392,7 +404,7 @@ def test_device_script_remembers_where_the_v4_release_went(tmp_path):
     """The release's place (/dev/shm or the disk) is decided once: the release itself fills
     /dev/shm, so a later step deciding again could look in the other place."""
     env = {"SH": str(tmp_path), "PATH": "/usr/bin:/bin"}
-    script = HERE / "h200.sh"
+    script = JOURNEY
     subprocess.run(["bash", str(script), "wait"], capture_output=True, env=env)
     chosen = (tmp_path / "v4rel.path").read_text().strip()
     assert chosen in ("/dev/shm/v4-release", f"{tmp_path}/v4/release")
@@ -407,7 +419,7 @@ def test_device_script_precompiles_need_the_release(tmp_path):
     looked and which step makes it, before starting anything."""
     env = {"SH": str(tmp_path), "PATH": "/usr/bin:/bin", "V4REL": str(tmp_path / "none")}
     for step in ("v4mhc", "v4dg"):
-        res = subprocess.run(["bash", str(HERE / "h200.sh"), step], capture_output=True,
+        res = subprocess.run(["bash", str(JOURNEY), step], capture_output=True,
                              text=True, env=env, timeout=60)  # fmt: skip
         assert res.returncode == 1
         assert res.stdout == f"{step}: no release in {tmp_path / 'none'} (v4release first)\n"
@@ -651,3 +663,42 @@ def test_report_puts_gpu_step_times_beside_the_wall_clock(tmp_path):
     assert rows[0].split("|")[-2].strip() == "1.100 (1.100-1.100)"
     assert "not resolved" in rows[1] or rows[1].split("|")[-2].strip().startswith("1.000")
     assert lines.index(rows[0]) < lines.index("Wall clock (two batches' difference):")
+
+
+def test_serve_starts_each_server_from_its_drivers_table(tmp_path):
+    """`serve` through either driver: each server's recipe, checkpoint, flags and environment
+    come from that driver's table (vllm-h20 replaced by a script that prints what it got); a
+    journey server whose checkpoint is missing is refused in one line."""
+    sh, bin_dir = tmp_path / "sh", tmp_path / "bin"
+    bin_dir.mkdir()
+    fake = bin_dir / "vllm-h20"
+    fake.write_text('#!/bin/sh\necho "ARGS: $@"\nenv | grep -E "^VLLM_(H20|DISABLED)" | sort\n')
+    fake.chmod(0o755)
+    (sh / "v4" / "converted").mkdir(parents=True)
+    (sh / "v4" / "converted" / "model.safetensors.index.json").write_text("{}")
+    (sh / "build.done").touch()
+    env = {"SH": str(sh), "V4REL": str(tmp_path / "rel"), "PATH": f"{bin_dir}:/usr/bin:/bin"}
+
+    def serve(script: Path, *names: str) -> subprocess.CompletedProcess:
+        return subprocess.run(["bash", str(script), "serve", *names], capture_output=True,
+                              text=True, env=env, timeout=60)  # fmt: skip
+
+    def log(name: str) -> str:
+        deadline = time.time() + 10
+        while "VLLM_H20_STRICT" not in (text := (sh / "logs" / f"{name}.log").read_text()):
+            assert time.time() < deadline, text
+            time.sleep(0.1)
+        return text
+
+    assert serve(HERE / "h200.sh", "stock", "deepgemm").returncode == 0
+    stock, deepgemm = log("stock"), log("deepgemm")
+    assert f"--model {sh}/stage/model --gpu h200 -- --port 8002" in stock
+    assert "VLLM_H20_MOE_DISPATCH=stock" in stock and f"STEP_TIMES={sh}/steps/stock" in stock
+    assert deepgemm.splitlines()[0].endswith("--moe-backend deep_gemm")
+    assert "VLLM_H20_MOE_DISPATCH" not in deepgemm
+    res = serve(JOURNEY, "v4stock", "v4hum")
+    assert res.returncode == 1
+    assert f"v4hum: no checkpoint in {tmp_path / 'rel'} (v4release / v4convert first)" in res.stdout
+    v4stock = log("v4stock")
+    assert "test-h200-dsv4-fp8-flashinfer-cutlass.yaml" in v4stock and "--port 8013" in v4stock
+    assert "VLLM_DISABLED_KERNELS=FlashInferFp8DeepGEMMDynamicBlockScaledKernel\n" in v4stock
