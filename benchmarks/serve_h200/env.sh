@@ -4,7 +4,7 @@
 repo=$PWD
 SH=${SH:-/tmp/serve_h200}
 SITE=${SITE:-$SH/site}
-mkdir -p "$SH"/{logs,pieces,runs,check,prof,steptime,steps}
+mkdir -p "$SH"/{logs,pieces,sweeps,check,prof,steptime,steps}
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
 # pip --target installs .pth files that nothing runs from PYTHONPATH: CuTe DSL's (the `cutlass`
 # package DeepSeek-V4's kernels import) adds this folder.

@@ -21,7 +21,7 @@
 #   h200.sh steptime NAME...     decode- and prefill-step time of each server, arms interleaved
 #                           (steptime.py; resumes) into $SH/steptime, GPU clocks logged beside;
 #                           every server logs its steps' GPU time into $SH/steps/NAME
-#   h200.sh sweep SPEC NAME...   vllm-h20 bench sweep (resumes) into $SH/runs/SPEC[-$TAG]
+#   h200.sh sweep SPEC NAME...   vllm-h20 bench sweep (resumes) into $SH/sweeps/SPEC[-$TAG]
 #   h200.sh jitsave OUT     the JIT caches (TileLang, vLLM's DeepGEMM, Triton, FlashInfer's
 #                           DeepGEMM, autotune) -> OUT/jit-cache.tgz[.NN] (15 MiB pieces)
 #   h200.sh jitload [DIR]   restore them from DIR (default .stage: carried with boot.tar; boot
@@ -181,9 +181,9 @@ sweep)
     spec=${1:?spec}; shift
     targets=(); for n in "$@"; do targets+=(--target "$n=http://127.0.0.1:$(port "$n")"); done
     name=$(basename "$spec" .yaml)${TAG:+-$TAG}   # TAG: another set of targets, same spec
-    resume=(); [ -d "$SH/runs/$name" ] && resume=(--resume)
+    resume=(); [ -d "$SH/sweeps/$name" ] && resume=(--resume)
     $(pin "$CLIENT_CPUS") vllm-h20 bench sweep "$spec" "${targets[@]}" --tokenizer "$(model_of "$1")" \
-        --out "$SH/runs/$name" "${resume[@]}"
+        --out "$SH/sweeps/$name" "${resume[@]}"
     ;;
 jitsave)
     OUT=${1:?out dir}; mkdir -p "$OUT"
@@ -236,7 +236,7 @@ collect)
         > "$SH/logs/vllm-deepgemm-kernels.txt" 2>&1
     # Triton's kernels (one metadata JSON each): `stalls.py` counts both per sweep cell.
     list_by_time "$TRITON_CACHE_DIR" triton-cache.txt -name '*.json' ! -name '__grp__*'
-    tar -czf "$OUT/serve_h200.tar.gz" -C "$SH" logs check runs steptime steps
+    tar -czf "$OUT/serve_h200.tar.gz" -C "$SH" logs check sweeps steptime steps
     ls -l "$OUT"
     ;;
 *) echo "unknown step $step" >&2; exit 2 ;;

@@ -341,7 +341,7 @@ def main(argv: list[str] | None = None) -> None:
         with tarfile.open(a.tarball) as t:
             t.extractall(root, filter="data")
         a.out.mkdir(parents=True, exist_ok=True)
-        for sub in ("check", "runs", "steptime"):
+        for sub in ("check", "sweeps", "steptime"):
             if (root / sub).exists():
                 shutil.copytree(root / sub, a.out / sub, dirs_exist_ok=True)
         _keep_step_logs(root / "steps", a.out / "steps")
@@ -353,8 +353,8 @@ def main(argv: list[str] | None = None) -> None:
             (a.out / "logs" / p.name).write_text(text)
     reports = {}
     for spec in ("decode", "prefill"):
-        # Relative to the results folder, so the reports name `runs/...`, not a temp dir.
-        dirs = sorted(d.relative_to(a.out) for d in (a.out / "runs").glob(f"{spec}*")
+        # Relative to the results folder, so the reports name `sweeps/...`, not a temp dir.
+        dirs = sorted(d.relative_to(a.out) for d in (a.out / "sweeps").glob(f"{spec}*")
                       if (d / "sweep.json").exists())  # fmt: skip
         if dirs:
             cmd = [sys.executable, "-m", "vllm_h20.cli", "bench", "report", *map(str, dirs),

@@ -22,10 +22,10 @@ def load_script(path: Path, name: str) -> ModuleType:
 
 
 def pack_published(published: Path, tarball: Path) -> Path:
-    """A published result folder's check/, runs/, logs/ and steptime/ as the tarball
+    """A published result folder's check/, sweeps/, logs/ and steptime/ as the tarball
     `h200.sh collect` returns: what report.py reads to rebuild the folder."""
     with tarfile.open(tarball, "w:gz") as t:
-        for sub in ("check", "runs", "logs", "steptime"):
+        for sub in ("check", "sweeps", "logs", "steptime"):
             if (published / sub).exists():
                 t.add(published / sub, arcname=sub)
         # The engines' step logs, published one gzipped file per server, as the servers wrote

@@ -80,7 +80,7 @@ def test_mhc_precompile_takes_its_scalars_from_the_v4_config(tmp_path):
     "lease", ["v4-lease2-decode-partial", "v4-lease3-decode-stalled", "v4-lease4-decode-clean"]
 )
 def test_published_lease_rebuilds_from_its_own_run_files(tmp_path, lease):
-    """report.py on a tarball of a lease's published check/, runs/ and logs/ reproduces its
+    """report.py on a tarball of a lease's published check/, sweeps/ and logs/ reproduces its
     summary (which names Humming's MXFP4 backend for the release) and its sweep reports."""
     pytest.importorskip("guidellm")
     published = RESULTS / lease
@@ -205,13 +205,13 @@ def test_deepgemm_listing_reads_a_cache_and_the_cli_names_what_is_wrong(tmp_path
 def test_stalls_count_the_compiles_inside_each_cell(tmp_path, capsys):
     stalls = _load("stalls")
     published = RESULTS / "v4-lease3-decode-stalled"
-    rows = stalls.table(published / "runs" / "decode-v4", published / "logs")
+    rows = stalls.table(published / "sweeps" / "decode-v4", published / "logs")
     assert len(rows) == 16 and sum(bool(r["deepgemm"] or r["triton"]) for r in rows) == 12
     first = rows[0]
     assert (first["target"], first["concurrency"], first["deepgemm"]) == ("v4hum", 128, 8)
     # Lease 4 started with lease 3's caches and the DeepGEMM precompile: one Triton compile left.
     clean = RESULTS / "v4-lease4-decode-clean"
-    rows = stalls.table(clean / "runs" / "decode-v4", clean / "logs")
+    rows = stalls.table(clean / "sweeps" / "decode-v4", clean / "logs")
     [hit] = [r for r in rows if r["deepgemm"] or r["triton"]]
     assert len(rows) == 18 and (hit["target"], hit["concurrency"], hit["run"]) == ("v4fix", 256, 2)
     assert (hit["deepgemm"], hit["triton"]) == (0, 1)

@@ -437,7 +437,7 @@ def test_device_script_collect_lists_compiled_kernels_with_their_times(tmp_path)
     t.mkdir(parents=True)
     (t / "_topk_kernel.json").write_text("{}")
     (t / "__grp___topk_kernel.json").write_text("{}")
-    for d in ("logs", "check", "runs"):
+    for d in ("logs", "check", "sweeps"):
         (sh / d).mkdir()
     out = tmp_path / "out"
     env = {"SH": str(sh), "PATH": "/usr/bin:/bin"}

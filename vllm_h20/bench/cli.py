@@ -37,8 +37,8 @@ def bench() -> None:
 
     \b
     vllm-h20 bench sweep decode --target humming=http://a:8000 --target fp8=http://b:8000 \\
-        --tokenizer /models/DeepSeek-V4.1-Flash --out runs/decode
-    vllm-h20 bench report runs/decode --baseline humming
+        --tokenizer /models/DeepSeek-V4.1-Flash --out sweeps/decode
+    vllm-h20 bench report sweeps/decode --baseline humming
     vllm-h20 bench gsm8k --target humming=http://a:8000 --target fp8=http://b:8000 \\
         --data gsm8k/test.jsonl --limit 500 --out runs/gsm8k
     """
