@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import json
+import os
 import signal
 import socket
 import subprocess
@@ -190,10 +191,8 @@ def cli(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
 RATES = {"a": 500.0, "b": 800.0}  # generation tok/s the two expositions report
 
 
-@pytest.fixture(scope="session")
-def finished_sweep(mock_pair, tokenizer_dir, tmp_path_factory):
-    """A two-target sweep interrupted after its first run, then resumed to the end."""
-    tmp = tmp_path_factory.mktemp("sweep")
+def _run_sweep(mock_pair, tokenizer_dir, tmp: Path) -> dict:
+    """A two-target sweep interrupted after its first run, then resumed to the end, in `tmp`."""
     spec = tmp / "tiny.yaml"
     spec.write_text(TINY_SPEC)
     out = tmp / "out"
@@ -222,10 +221,38 @@ def finished_sweep(mock_pair, tokenizer_dir, tmp_path_factory):
         _, err1 = p.communicate(timeout=60)
         if not first.exists():
             pytest.fail(f"the sweep finished no run (exit {p.returncode}): {err1[-3000:]}")
-        interrupted = {"rc": p.returncode, "stderr": err1, "first": first.read_bytes(),
+        interrupted = {"rc": p.returncode, "stderr": err1, "first": first.read_text(),
                        "files": sorted(x.name for x in out.rglob("*.json"))}  # fmt: skip
         res = cli(*args, "--resume")
     finally:
         for m in metrics.values():
             m.stop()
-    return {"out": out, "interrupted": interrupted, "resumed": res, "spec": spec, "args": args}
+    resumed = {"returncode": res.returncode, "stdout": res.stdout, "stderr": res.stderr}
+    return {"out": str(out), "interrupted": interrupted, "resumed": resumed, "spec": str(spec),
+            "args": args}  # fmt: skip
+
+
+@pytest.fixture(scope="session")
+def finished_sweep(request, tokenizer_dir, tmp_path_factory) -> dict:
+    """`_run_sweep`'s result (~3 minutes of GuideLLM), made once per test session: under
+    pytest-xdist the first worker that needs it runs it and the others read its result (a file
+    lock in the session's shared temp folder), instead of each worker sweeping again."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER")
+    if worker is None:
+        got = _run_sweep(request.getfixturevalue("mock_pair"), tokenizer_dir,
+                         tmp_path_factory.mktemp("sweep"))  # fmt: skip
+    else:
+        from filelock import FileLock
+
+        shared = tmp_path_factory.getbasetemp().parent / "finished-sweep"
+        with FileLock(f"{shared}.lock"):
+            done = shared / "result.json"
+            if not done.exists():
+                shared.mkdir(exist_ok=True)
+                got = _run_sweep(request.getfixturevalue("mock_pair"), tokenizer_dir, shared)
+                done.write_text(json.dumps(got))
+            got = json.loads(done.read_text())
+    res = got["resumed"]
+    return {**got, "out": Path(got["out"]), "spec": Path(got["spec"]),
+            "resumed": subprocess.CompletedProcess(got["args"], res["returncode"],
+                                                   res["stdout"], res["stderr"])}  # fmt: skip
