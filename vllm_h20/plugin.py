@@ -31,6 +31,10 @@ def register() -> None:
     if step_times is not None:  # a diagnostic: only then is vLLM's model runner imported here
         from .serve import steptimes
 
-        steptimes.install(step_times)
-        logger.info("vllm-h20: logging each step's GPU time to %s", step_times)
+        try:
+            steptimes.install(step_times)
+            logger.info("vllm-h20: logging each step's GPU time to %s", step_times)
+        except (ImportError, AttributeError, OSError) as e:  # a diagnostic never stops serving
+            logger.warning("vllm-h20: VLLM_H20_STEP_TIMES=%s: step times not logged (%s)",
+                           step_times, e)  # fmt: skip
     _done = True

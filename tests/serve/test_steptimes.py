@@ -51,3 +51,19 @@ def test_install_wraps_the_model_runner_of_the_installed_vllm(tmp_path):
     out = json.loads(r.stdout.strip().splitlines()[-1])
     assert out == {"wrapped": ["_model_forward", "execute_model", "sample_tokens"],
                    "again": False, "log": str(tmp_path)}  # fmt: skip
+
+
+@pytest.mark.vllm
+def test_a_log_folder_that_cannot_be_made_warns_and_serving_goes_on(tmp_path):
+    pytest.importorskip("vllm")
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("VLLM_H20_")}
+    env.update(VLLM_H20_STEP_TIMES=str(blocker / "steps"), VLLM_H20_MOE_DISPATCH="stock")
+    code = "from vllm_h20 import plugin; plugin.register(); print('registered')"
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                       timeout=600)  # fmt: skip
+    out = r.stdout + r.stderr  # vLLM's logger writes to stdout once vLLM is imported
+    assert r.returncode == 0 and r.stdout.splitlines()[-1] == "registered", out[-2000:]
+    assert f"VLLM_H20_STEP_TIMES={blocker / 'steps'}: step times not logged" in out
+    assert "Traceback" not in out
