@@ -140,6 +140,8 @@ def sample(url: str, model: str, shape: dict, seed: int, timeout: float,
         out = {"short_s": short["wall_s"], "long_s": long["wall_s"],
                "extra_prompt_tokens": long["prompt_tokens"] - short["prompt_tokens"],
                "step_s": long["wall_s"] - short["wall_s"]}  # fmt: skip
+    # When each batch ran (Unix time): the engines' step logs can be re-read for any sample.
+    out.update(short_window=list(short["window"]), long_window=list(long["window"]))
     if step_log is not None:
         time.sleep(LOG_LAG_S)
         out.update(gpu_side(read_steps(step_log), shape, short["window"], long["window"]))
