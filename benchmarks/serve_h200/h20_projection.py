@@ -73,15 +73,15 @@ def rest_per_layer_h200(profiles: Path = PROFILES) -> float:
 
 
 def measured_h200(batch: int, run: Path = ROUND) -> str:
-    """Round 5's GPU decode step at `batch`, stock over fix, paired by repeat (95 % CI)."""
+    """Round 5's GPU decode step at `batch`, stock over fix, paired by repeat (95 % CI), paired
+    as report.py pairs them for the round's summary."""
     sys.path.insert(0, str(REPO))
     from vllm_h20.bench.stats import paired_ratio_ci
 
+    pairing = _load(HERE / "report.py", "serve_h200_report").paired_by_repeat
     res = json.loads((run / "steptime" / "steptime.json").read_text())
-    by = {(s["arm"], s["rep"]): s["gpu_step_ms"] for s in res["samples"]
-          if s["shape"] == f"decode-{batch}" and s["rep"] >= 0}  # fmt: skip
-    reps = sorted(r for a, r in by if a == "fix" and ("stock", r) in by)
-    ci = paired_ratio_ci([by["stock", r] for r in reps], [by["fix", r] for r in reps])
+    by = pairing(res, f"decode-{batch}", "gpu_step_ms")
+    ci = paired_ratio_ci(list(by["stock"].values()), list(by["fix"].values()))
     return f"{ci.ratio:.2f}x ({ci.low:.2f}-{ci.high:.2f}, n {ci.n})"
 
 

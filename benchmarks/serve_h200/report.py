@@ -268,6 +268,17 @@ def _step_intervals(steps_dir: Path, batches: tuple[int, ...] = (64, 128, 256)) 
     return [*lines, ""]
 
 
+def paired_by_repeat(res: dict, shape: str, key: str) -> dict[str, dict[int, float]]:
+    """{arm: {repeat: value of `key`}} for one shape of a steptime.json, kept to the timed
+    repeats every arm has (the pairing the ratios rest on)."""
+    by: dict[str, dict[int, float]] = {a: {} for a in res["arms"]}
+    for s in res["samples"]:
+        if s["shape"] == shape and s["rep"] >= 0 and key in s:
+            by[s["arm"]][s["rep"]] = s[key]
+    common = set.intersection(*(set(v) for v in by.values()))
+    return {a: {r: v[r] for r in sorted(common)} for a, v in by.items()}
+
+
 def _ratio_table(res: dict, key: str, to_ms: float) -> list[str]:
     """Median of `key` per arm (n repeats, coefficient of variation), then each arm over the
     first arm, paired by repeat: geometric mean and 95 % CI."""
@@ -282,11 +293,8 @@ def _ratio_table(res: dict, key: str, to_ms: float) -> list[str]:
              " | ".join(f"{a} / {ref}" for a in others) + " |",
              "|---|---:|" + "---:|" * (2 * len(arms) - 1)]  # fmt: skip
     for shape in dict.fromkeys(s["shape"] for s in res["samples"]):
-        by: dict[str, dict[int, float]] = {a: {} for a in arms}
-        for s in res["samples"]:
-            if s["shape"] == shape and s["rep"] >= 0 and key in s:
-                by[s["arm"]][s["rep"]] = s[key]
-        reps = sorted(set.intersection(*(set(v) for v in by.values())))
+        by = paired_by_repeat(res, shape, key)
+        reps = sorted(by[ref])
         if not reps:
             continue
         cells = []
