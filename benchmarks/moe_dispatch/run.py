@@ -164,6 +164,13 @@ CLASS_HOOKS = (*SHIPPED_HOOKS, (CLASS_PLAN_LINE, PREV_PLAN + CLASS_PLAN_LINE),
                (CLASS_SPLIT, CLASS_SPLIT_HOOK))  # fmt: skip
 # The shipped series has its split in the other order already: no --explore rules to hook.
 HOT_FIRST_HOOKS = CLASS_HOOKS[:-1]
+# candidates/one-launch (0003: both classes in one dual-kernel launch): rule mode 9 turns the dual
+# launch off, which leaves the shipped series' hot-first dispatch (two launches): its `prev`.
+ONE_LAUNCH_GUARD = "    if (hot_block_m != 128 || cold_block_m != 128 || hot_multicast != 1 ||"
+ONE_LAUNCH_HOOKS = (*HOT_FIRST_HOOKS,
+                    (ONE_LAUNCH_GUARD, "    if (vllm_h20_rule_mode == 9) return false;\n"
+                     + ONE_LAUNCH_GUARD))  # fmt: skip
+SHIPPED_TWO_LAUNCH = (9, 0)
 CANDIDATE = "candidates/fitted-row-tiles"
 
 
@@ -171,17 +178,20 @@ def series_kind(kernel_cuh: str) -> str:
     """Which dispatch a patched fp8_blockscale_gemm_kernel.cuh has: "fitted" (fitted row tiles),
     "hot_first" (the shipped series since 2026-12-04: row classes, single launches up to 32/64
     rows, the hot class first), "classes" (candidates/whole-expert-tiles: row classes bounded by
-    the GPU's ridge, cold class first) or "shipped" (candidates/estimated-row-classes, shipped
-    until 2026-12-03; the name kept for the published runs)."""
+    the GPU's ridge, cold class first), "one_launch" (candidates/one-launch: hot_first with both
+    classes in one launch) or "shipped" (candidates/estimated-row-classes, shipped until
+    2026-12-03; the name kept for the published runs)."""
     if "plan_launches(" in kernel_cuh:
         return "fitted"
+    if "run_both(" in kernel_cuh:
+        return "one_launch"
     if "kNarrowRegularRows" in kernel_cuh:
         return "hot_first"
     return "classes" if "ridge_rows(" in kernel_cuh else "shipped"
 
 
 # The kinds with two row classes, measured with the same versions and hooks.
-CLASS_KINDS = ("classes", "hot_first")
+CLASS_KINDS = ("classes", "hot_first", "one_launch")
 
 
 CALIB_DECLS = (
@@ -229,7 +239,7 @@ def prepare_sources(data: Path, work: Path, variant: str, series: str = "") -> P
         f = nv / KERNEL_CUH
         text = f.read_text()
         hooks = {"fitted": FITTED_HOOKS, "classes": CLASS_HOOKS, "hot_first": HOT_FIRST_HOOKS,
-                 "shipped": SHIPPED_HOOKS}[series_kind(text)]  # fmt: skip
+                 "one_launch": ONE_LAUNCH_HOOKS, "shipped": SHIPPED_HOOKS}[series_kind(text)]
         for line, hook in hooks:
             assert text.count(line) == 1, f"grouped_gemm_dispatch changed: update {line!r}"
             text = text.replace(line, hook)
@@ -313,9 +323,17 @@ EMU_VERSIONS = (
 CLASS_EMU_VERSIONS = (*EMU_VERSIONS[:2], Version("prev", "calib", "fixed", PREV), EMU_VERSIONS[2])
 
 
+def with_shipped_as_prev(versions: tuple[Version, ...], kind: str) -> tuple[Version, ...]:
+    """For candidates/one-launch, `prev` is the shipped series' two launches (rule mode 9)."""
+    if kind != "one_launch":
+        return versions
+    return tuple(Version(v.name, v.variant, v.kind, SHIPPED_TWO_LAUNCH) if v.name == "prev" else v
+                 for v in versions)  # fmt: skip
+
+
 def emu_versions(kind: str) -> tuple[Version, ...]:
     """The emulations' columns for a series kind (see series_kind)."""
-    return CLASS_EMU_VERSIONS if kind in CLASS_KINDS else EMU_VERSIONS
+    return with_shipped_as_prev(CLASS_EMU_VERSIONS if kind in CLASS_KINDS else EMU_VERSIONS, kind)
 
 
 # H20 emulations: (name, SMs the kernels plan for, CTAs they run on). FP8 tensor rate scales with
@@ -840,8 +858,8 @@ def run_versions_of(args, kind: str) -> tuple[Version, ...]:
                          f"candidates/whole-expert-tiles (or {CANDIDATE})")  # fmt: skip
     if args.explore:
         return EXPLORE if candidate else CLASS_EXPLORE
-    return (CANDIDATE_VERSIONS if candidate
-            else CLASS_VERSIONS if kind in CLASS_KINDS else VERSIONS)  # fmt: skip
+    return with_shipped_as_prev(CANDIDATE_VERSIONS if candidate
+                                else CLASS_VERSIONS if kind in CLASS_KINDS else VERSIONS, kind)
 
 
 def compile_all(args, data: Path, kind: str, run_versions, token_list, emulations,

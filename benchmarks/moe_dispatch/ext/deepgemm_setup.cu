@@ -24,7 +24,8 @@ int vllm_h20_force_branch = 0;
 // two row classes with the hot (regular) launch first and the cold one overlapping it, 7 = one
 // swap-A/B launch sized for max_m when max_m <= 128 (else the split), 8 = candidates/hot-first's
 // rule (one swap-A/B launch up to 32 rows, one regular launch up to 64 where 64 rows are under
-// the GPU's ridge, else mode 6). split_rows (mode 0, 5):
+// the GPU's ridge, else mode 6); candidates/one-launch only: 9 = the shipped series' dispatch
+// (the dual launch off: two launches, hot class first). split_rows (mode 0, 5):
 // 0 = the patch's own; else a second, regular launch for the
 // experts with more than 128 rows whenever the token count exceeds it.
 int vllm_h20_rule_mode = 0, vllm_h20_rule_split_rows = 0;
