@@ -200,21 +200,27 @@ def plan_whole_expert(expected_m: int, swap_tile: int, max_m: int, sms: int):
 SECOND = "regular_second"
 # The hot-first order (the shipped series): the swap-A/B launch follows the regular one.
 SWAP_SECOND = "swap_ab_second"
+# candidates/one-launch: the split's cold class inside the hot class's launch (one c0 for both,
+# until a run of it fits this one's).
+IN_ONE_LAUNCH = "swap_ab_in_one_launch"
 # Each second launch's kernel, whose rates it keeps.
-BASE_OF = {SECOND: "regular", SWAP_SECOND: "swap_ab"}
+BASE_OF = {SECOND: "regular", SWAP_SECOND: "swap_ab", IN_ONE_LAUNCH: "swap_ab"}
 # The hot-first plan's single launches (its kOneLaunchRows, kNarrowRegularRows).
 ONE_LAUNCH_ROWS = 32
 NARROW_REGULAR_ROWS = 64
 
 
-def row_class_launches(counts, tokens: int, sms: int, hot_first: bool) -> list[tuple[str, list]]:
+def row_class_launches(counts, tokens: int, sms: int, hot_first: bool,
+                       one_launch: bool = False) -> list[tuple[str, list]]:  # fmt: skip
     """The two-class plans per GEMM (each launch pays its c0, empty or not): one swap-A/B launch
     when every expert fits one tile, else a swap-A/B launch for the experts with 1..boundary
     rows and a regular one for the rest. hot_first=False: the whole-expert-tile series
     (candidates/whole-expert-tiles), the swap-A/B launch first. hot_first=True: the shipped
     series since 2026-12-04, the regular launch first, and one launch where one tile shape reads
     every expert once (a swap-A/B tile sized for up to 32 rows; a regular 64-row tile up to 64
-    rows where 64 rows are under the ridge: the 132-SM parts)."""
+    rows where 64 rows are under the ridge: the 132-SM parts). one_launch (with hot_first):
+    candidates/one-launch, whose split is one launch where both kernels have 128-row weight tiles
+    (above 64 tokens: the regular kernel's row tile is 128; every V4.1-Flash N is above 64)."""
     avg = per_expert_expected_m(tokens, cases.TOP_K, cases.LOCAL, cases.EP)
     out = []
     for s in cases.SHAPES:
@@ -229,7 +235,9 @@ def row_class_launches(counts, tokens: int, sms: int, hot_first: bool) -> list[t
         else:
             cold = gemm_terms(np.where(counts <= boundary, counts, 0), s, cold_m, "swap_ab", sms)
             hot = gemm_terms(np.where(counts > boundary, counts, 0), s, tokens, "regular", sms)
-            if hot_first:
+            if one_launch and tokens > NARROW_REGULAR_ROWS:
+                out += [("regular", [hot]), (IN_ONE_LAUNCH, [cold])]
+            elif hot_first:
                 out += [("regular", [hot]), (SWAP_SECOND, [cold])]
             else:
                 out += [("swap_ab", [cold]), (SECOND, [hot])]
@@ -283,12 +291,16 @@ def candidate_launches(counts, tokens: int) -> list[tuple[str, list]]:
 def predict(fits: dict, counts, tokens: int, version: str, sms: int) -> float:
     """Seconds for one rank's FC1 + FC2 under a version (each launch pays its c0): stock,
     avg (average-only), split (the per-expert plan shipped until 2026-12-03), fitted (the
-    fitted-tile candidate), classes (the whole-expert-tile plan, shipped 2026-12-03 to 12-04) or
-    hot_first (the shipped plan)."""
+    fitted-tile candidate), classes (the whole-expert-tile plan, shipped 2026-12-03 to 12-04),
+    hot_first (the shipped plan) or one_launch (candidates/one-launch: without a fit of its own,
+    the cold class's part of the one launch pays no c0)."""
     if version == "fitted":
         plan = candidate_launches(counts, tokens)
-    elif version in ("classes", "hot_first"):
-        plan = row_class_launches(counts, tokens, sms, hot_first=version == "hot_first")
+    elif version in ("classes", "hot_first", "one_launch"):
+        plan = row_class_launches(counts, tokens, sms, hot_first=version != "classes",
+                                  one_launch=version == "one_launch")  # fmt: skip
+        if IN_ONE_LAUNCH not in fits:
+            fits = {**fits, IN_ONE_LAUNCH: dataclasses.replace(fits["swap_ab"], c0=0.0)}
     else:
         plan = launches(counts, tokens, version, sms)
     return sum(fits[p].predict(terms) for p, terms in plan)

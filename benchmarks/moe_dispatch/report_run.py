@@ -78,6 +78,18 @@ CANDIDATES = {
         "prev_kernels": "same launches; its row-class kernels are this build's",
         "title": "the previous per-expert plan and the hot-first candidate",
     },
+    "one_launch": {
+        "fix": "one launch (candidate)",
+        "fix_again": "one launch again (A/A)",
+        "series": "candidates/one-launch",
+        "reproduce": "`SERIES=candidates/one-launch EMULATE=emulated_78sm,emulated_h20_40sm bash "
+        "benchmarks/moe_dispatch/h200.sh start` (then `wait`, `collect`)",
+        "short": "one launch",
+        "lead": "One launch",
+        "prev_kernels": "the shipped series' two launches, the candidate's build with the dual "
+        "launch off (rule mode 9; those kernels are byte-identical to the shipped series')",
+        "title": "the shipped per-expert dispatch and the one-launch candidate",
+    },
 }
 # Series whose runs predate run.py's name for their kind (recorded as "classes").
 SERIES_KIND = {"candidates/hot-first": "hot_first"}
@@ -120,6 +132,12 @@ def kind_of(res: dict) -> str:
 def candidate_of(res: dict) -> dict:
     """The CANDIDATES entry of a run."""
     return CANDIDATES[kind_of(res)]
+
+
+def prev_plan(plan: str) -> str:
+    """The model's name for a run's `prev` column: the shipped hot-first plan for the one-launch
+    candidate (built beside it), else the per-expert plan shipped until 2026-12-03 (split)."""
+    return "hot_first" if plan == "one_launch" else "split"
 
 
 def labels(res: dict) -> dict[str, str]:
@@ -379,9 +397,13 @@ def fit_h200(res: dict) -> tuple[dict, int]:
                 ((path, terms),) = model.candidate_launches(counts, r["tokens"])
                 samples[path].append((terms, r["fix_rank_median_s"][rank]))
             else:
-                hot_first = kind_of(res) == "hot_first"
-                plan = model.row_class_launches(counts, r["tokens"], sms, hot_first)
+                kind = kind_of(res)
+                plan = model.row_class_launches(counts, r["tokens"], sms, kind != "classes",
+                                                one_launch=kind == "one_launch")  # fmt: skip
                 second.append((plan, r["fix_rank_median_s"][rank]))
+                if kind == "one_launch":  # its prev: the shipped series' two launches
+                    plan = model.row_class_launches(counts, r["tokens"], sms, True)
+                    second.append((plan, r["prev_rank_median_s"][rank]))
     for c in res["calibration"]:
         shape = next(s for s in cases.SHAPES if s.name == c["gemm"])
         counts = np.full(cases.LOCAL, c["m"])
@@ -418,8 +440,8 @@ def model_section(res: dict, folder: Path) -> list[str]:
     fits, n = fit_h200(res)
     ab = {(r["routing"], r["tokens"]): r for r in res["ab"]}
     plan = kind_of(res)
-    err = {v: [] for v in ("stock", "avg", "split", plan)}
-    column = {"stock": "stock", "avg": "avg", "split": "prev", plan: "fix"}
+    err = {v: [] for v in ("stock", "avg", prev_plan(plan), plan)}
+    column = {"stock": "stock", "avg": "avg", prev_plan(plan): "prev", plan: "fix"}
     for (routing, tokens), r in ab.items():
         for v in err:
             pred = model.slowest_rank(fits, routing, tokens, v, sms)
@@ -433,6 +455,11 @@ def model_section(res: dict, folder: Path) -> list[str]:
             "fitted on the candidate's runs and its forced sweep. The shipped per-expert plan "
             "(two launches) is predicted out of sample."
             if plan == "fitted"
+            else "the shipped hot-first plan (`prev`) and this series (`fix`) from those fits, "
+            f"but for the fixed cost of the cold class's launch (`{model.SWAP_SECOND}`, fitted "
+            "on `prev`'s runs) and of its share of the one launch "
+            f"(`{model.IN_ONE_LAUNCH}`, fitted on `fix`'s runs)."
+            if plan == "one_launch"
             else "the previous per-expert plan (`prev`, one or two launches per GEMM, each "
             "paying its c0) is predicted out of sample; this series' (`fix`) too, but for the "
             "fixed cost of its second launch (`"
@@ -492,33 +519,41 @@ PLAN_LABELS = {
     "fitted": "fitted tiles",
     "classes": "whole-expert tiles",
     "hot_first": "hot-first",
+    "one_launch": "one launch",
 }
 # Plans whose run calls the estimated-row-class plan (split) the previous one.
 AFTER_SPLIT = ("classes", "hot_first")
 
 
+def plan_names(plan: str) -> dict[str, str]:
+    """PLAN_LABELS as a run of `plan` names the plans it is compared with."""
+    if plan == "one_launch":
+        return PLAN_LABELS | {"hot_first": "shipped hot-first"}
+    return PLAN_LABELS | ({"split": "previous per-expert"} if plan in AFTER_SPLIT else {})
+
+
 def h20_cases(res: dict, h20: dict, overhead: float) -> list[str]:
     """Every case of the run on the H20 model: each plan's speedup, the ones short of the best."""
     plan = kind_of(res)
-    names = PLAN_LABELS | ({"split": "previous per-expert"} if plan in AFTER_SPLIT else {})
+    prev, names = prev_plan(plan), plan_names(plan)
     out = [
         "### Predicted on H20 (EP8, 50 local experts, fused op), every case",
         "",
         "Speedup over stock of each plan, and in bold where a plan is more than 2 % below "
         "max(stock, average-only):",
         "",
-        f"| routing | tokens | stock ms | average-only | {names['split']} | {names[plan]} |",
+        f"| routing | tokens | stock ms | average-only | {names[prev]} | {names[plan]} |",
         "|---|---:|---:|---:|---:|---:|",
     ]
-    below = {"split": [], plan: []}
+    below = {prev: [], plan: []}
     for r in res["ab"]:
         t = {
             v: model.slowest_rank(h20, r["routing"], r["tokens"], v, H20_SMS) + overhead
-            for v in ("stock", "avg", "split", plan)
+            for v in ("stock", "avg", prev, plan)
         }
         best = min(t["stock"], t["avg"])
         cells = []
-        for v in ("avg", "split", plan):
+        for v in ("avg", prev, plan):
             text = f"{t['stock'] / t[v]:.2f}x"
             if v != "avg" and best / t[v] < 0.98:
                 below[v].append(f"{r['routing']} {r['tokens']}")
@@ -531,8 +566,8 @@ def h20_cases(res: dict, h20: dict, overhead: float) -> list[str]:
         )
     out += [
         "",
-        f"Below 0.98x of max(stock, average-only) on the model: {names['split']} "
-        f"{len(below['split'])} of {len(res['ab'])} cases ({', '.join(below['split']) or 'none'}); "
+        f"Below 0.98x of max(stock, average-only) on the model: {names[prev]} "
+        f"{len(below[prev])} of {len(res['ab'])} cases ({', '.join(below[prev]) or 'none'}); "
         f"{names[plan]} {len(below[plan])} ({', '.join(below[plan]) or 'none'}).",
         "",
         "Not modelled: wave quantization beyond the tile choice, L2 hits of re-reads beyond the "
@@ -552,7 +587,8 @@ def ep16_section(h20: dict, overhead: float, plan: str = "fitted") -> list[str]:
     calibrated H20 model: EP16 puts 25 of the 400 slots on each rank, and the MoE layer of every
     rank sees both data-parallel replicas' tokens of a step (allgather_reducescatter), so a
     replica's step of S tokens is 2 S rows; the expected rows per expert stay 6 x rows / 400."""
-    split = "previous per-expert" if plan in AFTER_SPLIT else PLAN_LABELS["split"]
+    prev = prev_plan(plan)
+    split = plan_names(plan)[prev]
     out = [
         "### Two nodes: EP16 beside EP8 (predicted on H20)",
         "",
@@ -570,12 +606,12 @@ def ep16_section(h20: dict, overhead: float, plan: str = "fitted") -> list[str]:
             for step in (64, 128, 256, 512):
                 rows = step * dp
                 t = {v: model.slowest_rank(h20, routing, rows, v, H20_SMS, ep) + overhead
-                     for v in ("stock", "avg", "split", plan)}  # fmt: skip
+                     for v in ("stock", "avg", prev, plan)}  # fmt: skip
                 avg = max(1, -(-rows * cases.TOP_K // cases.SLOTS))
                 out.append(f"| {label} | {routing} | {step} | {rows} | {avg} | "
                            f"{t['stock'] * 1e3:.3f} | "
                            + " | ".join(f"{t['stock'] / t[v]:.2f}x"
-                                        for v in ("avg", "split", plan)) + " |")  # fmt: skip
+                                        for v in ("avg", prev, plan)) + " |")  # fmt: skip
     return out
 
 

@@ -166,7 +166,7 @@ CLASS_HOOKS = (*SHIPPED_HOOKS, (CLASS_PLAN_LINE, PREV_PLAN + CLASS_PLAN_LINE),
 HOT_FIRST_HOOKS = CLASS_HOOKS[:-1]
 # candidates/one-launch (0003: both classes in one dual-kernel launch): rule mode 9 turns the dual
 # launch off, which leaves the shipped series' hot-first dispatch (two launches): its `prev`.
-ONE_LAUNCH_GUARD = "    if (hot_block_m != 128 || cold_block_m != 128 || hot_multicast != 1 ||"
+ONE_LAUNCH_GUARD = "    if (!one_launch_fits(hot, cold, num_device_sms)) return false;"
 ONE_LAUNCH_HOOKS = (*HOT_FIRST_HOOKS,
                     (ONE_LAUNCH_GUARD, "    if (vllm_h20_rule_mode == 9) return false;\n"
                      + ONE_LAUNCH_GUARD))  # fmt: skip
@@ -238,8 +238,13 @@ def prepare_sources(data: Path, work: Path, variant: str, series: str = "") -> P
     if variant == "calib":
         f = nv / KERNEL_CUH
         text = f.read_text()
-        hooks = {"fitted": FITTED_HOOKS, "classes": CLASS_HOOKS, "hot_first": HOT_FIRST_HOOKS,
-                 "one_launch": ONE_LAUNCH_HOOKS, "shipped": SHIPPED_HOOKS}[series_kind(text)]
+        hooks = {
+            "fitted": FITTED_HOOKS,
+            "classes": CLASS_HOOKS,
+            "hot_first": HOT_FIRST_HOOKS,
+            "one_launch": ONE_LAUNCH_HOOKS,
+            "shipped": SHIPPED_HOOKS,
+        }[series_kind(text)]
         for line, hook in hooks:
             assert text.count(line) == 1, f"grouped_gemm_dispatch changed: update {line!r}"
             text = text.replace(line, hook)
@@ -858,8 +863,10 @@ def run_versions_of(args, kind: str) -> tuple[Version, ...]:
                          f"candidates/whole-expert-tiles (or {CANDIDATE})")  # fmt: skip
     if args.explore:
         return EXPLORE if candidate else CLASS_EXPLORE
-    return with_shipped_as_prev(CANDIDATE_VERSIONS if candidate
-                                else CLASS_VERSIONS if kind in CLASS_KINDS else VERSIONS, kind)
+    return with_shipped_as_prev(
+        CANDIDATE_VERSIONS if candidate else CLASS_VERSIONS if kind in CLASS_KINDS else VERSIONS,
+        kind,
+    )
 
 
 def compile_all(args, data: Path, kind: str, run_versions, token_list, emulations,

@@ -46,7 +46,8 @@ def test_calibration_hooks_apply_to_the_patched_sources(tmp_path):
                     symlinks=True)  # fmt: skip
     kinds = (("", "hot_first"), (run.CANDIDATE, "fitted"),
              ("candidates/estimated-row-classes", "shipped"),
-             ("candidates/whole-expert-tiles", "classes"))  # fmt: skip
+             ("candidates/whole-expert-tiles", "classes"),
+             ("candidates/one-launch", "one_launch"))  # fmt: skip
     for series, kind in kinds:
         work = tmp_path / (series.replace("/", "-") or "shipped")
         for variant in run.VARIANTS:
@@ -61,6 +62,10 @@ def test_calibration_hooks_apply_to_the_patched_sources(tmp_path):
             # the shipped series, whose split is already in the other order)
             explores = variant == "calib" and kind == "classes"
             assert ("if (vllm_h20_rule_mode == 8 && " in text) is explores
+            # one-launch: rule mode 9 turns its dual launch off (the shipped two launches)
+            assert ("if (vllm_h20_rule_mode == 9) return false;" in text) is (
+                variant == "calib" and kind == "one_launch"
+            )
             launchers = (nv / run.FP8_GEMM_CUH).read_text()
             assert ("vllm_h20_grid(num_sms)" in launchers) is (variant == "calib")
             assert run.deepgemm_dir(data, work, variant).endswith("tensorrt_llm")
@@ -178,6 +183,26 @@ def test_hot_first_run_readme_is_rendered_from_its_files(tmp_path):
     tables = text.split("## Summary", 1)[1]
     assert "hot-first (candidate)" in tables and "whole-expert tiles (candidate)" not in tables
     assert "hot-first's rule (mode 8)" in tables and "swap_ab_second" in tables
+
+
+def test_a_one_launch_run_renders_with_the_shipped_plan_as_prev(tmp_path):
+    """candidates/one-launch has not run on a GPU yet: the hot-first run's files, relabelled as
+    a one-launch run (their numbers are not one-launch measurements), check the report's shape:
+    columns named for the candidate, and the model comparing it with the shipped hot-first plan
+    (its `prev`) instead of the plan shipped until 2026-12-03, the cold class's c0 fitted."""
+    src = RESULTS / "moe_dispatch" / "hot-first-h200"
+    dst = tmp_path / "src"
+    shutil.copytree(src, dst)
+    for name in ("kernel_h200.json", "emulated_h200.json"):
+        doc = json.loads((dst / name).read_text())
+        doc["series"], doc["series_kind"] = "candidates/one-launch", "one_launch"
+        (dst / name).write_text(json.dumps(doc))
+    text = _rerendered(dst, tmp_path)
+    tables = text.split("## Summary", 1)[1]
+    assert "one launch (candidate)" in tables and "hot-first (candidate)" not in tables
+    assert "| swap_ab_in_one_launch |" in tables
+    assert "| average-only | shipped hot-first | one launch |" in tables
+    assert "previous per-expert" not in tables
 
 
 def _compare(args: list[str], cwd: Path) -> subprocess.CompletedProcess:

@@ -1,0 +1,249 @@
+"""candidates/one-launch (0003 on the shipped series): both row classes of the per-expert split in
+one launch, compiled here with nvcc for sm_90a (no GPU needed).
+
+With concentrated routing the shipped split's second launch is empty and still costs ~1.5 us per
+GEMM on an H200 (benchmarks/results/moe_dispatch/hot-first-h200). `fp8_gemm_kernel_dual` runs
+the regular kernel's body on some CTAs and the swap-A/B kernel's on the rest, the grid shared by
+the classes' tiles (`share_grid`). Checked here: the dual kernel compiles only against the overlay,
+spills nothing and is named for both classes; the shipped series' two kernels are byte-identical
+under the candidate's headers (their bodies became device functions); `share_grid`, cut out of the
+patch and compiled alone, never gives a CTA to a class without tiles nor leaves a class with tiles
+without one. Whether it is faster has not been measured yet (it needs a GPU run).
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tests.moe import deepgemm_kernels as dk
+from tests.moe.test_deepgemm_row_class import GEN as SHIPPED_GEN
+from vllm_h20.moe import overlay
+from vllm_h20.moe import precompile as pc
+from vllm_h20.moe.patchfile import read_patch
+
+SERIES = "candidates/one-launch"
+SCHEDULER_CUH = "csrc/nv_internal/tensorrt_llm/deep_gemm/scheduler.cuh"
+# DeepSeek-V4.1-Flash FC1 (N 4608, K 5120) on one EP8 rank (50 experts), split at 16 rows: the
+# dual kernel (argv "dual") and, for the shipped series' generator too, the two classes' kernels.
+GEN = r"""
+#include <cstdlib>
+#include <iostream>
+#include "tensorrt_llm/deep_gemm/compiler.cuh"
+// argv: dual | swap <min> <max> | regular <min> <max>
+int main(int argc, char** argv) {
+  using deep_gemm::jit::ColdShape;
+  using deep_gemm::jit::RowClass;
+  if (argv[1][0] == 'd') {
+    RowClass const hot{17, deep_gemm::kAnyRows}, cold{1, 16};
+    ColdShape const shape{128, 16, 8, cold};
+    std::cerr << "tag" << hot.tag() << shape.tag() << "\n";
+    std::cout << deep_gemm::jit::generateKernel(4608, 5120, 128, 128, 128, 50, 5, 1,
+                                                deep_gemm::GemmType::GroupedWithOffset, false,
+                                                hot, shape);
+    return 0;
+  }
+  bool const swap = argv[1][0] == 's';
+  uint32_t const max_rows = argv[3][0] == 'a' ? deep_gemm::kAnyRows : std::atoi(argv[3]);
+  RowClass rows{static_cast<uint32_t>(std::atoi(argv[2])), max_rows};
+  std::cerr << "tag" << rows.tag() << "\n";
+  std::cout << deep_gemm::jit::generateKernel(4608, 5120, 128, swap ? 16 : 128, 128, 50,
+                                              swap ? 8 : 5, 1,
+                                              deep_gemm::GemmType::GroupedWithOffset, swap, rows);
+}
+"""
+CLASSES = {"cold": ["swap", "1", "16"], "hot": ["regular", "17", "any"]}
+
+
+def _series_patches(version: str, series: str):
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv(overlay.SERIES_ENV, series)
+        return overlay.shipped_patches(version)
+
+
+@pytest.fixture(scope="module")
+def trees(installed_fi, patches, tmp_path_factory) -> dict[str, Path]:
+    """csrc/ of the installed FlashInfer with the shipped series and with the candidate."""
+    work = tmp_path_factory.mktemp("trees")
+    candidate = _series_patches(installed_fi.version, SERIES)
+    assert [p.subject for p in candidate[: len(patches)]] == [p.subject for p in patches]
+    return {"shipped": dk.overlay_csrc(installed_fi, patches, work / "shipped"),
+            "candidate": dk.overlay_csrc(installed_fi, candidate, work / "candidate")}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def generated(trees, installed_fi, tmp_path_factory) -> dict[str, dict[str, str]]:
+    """The sources each series' generateKernel writes (the candidate's also the dual kernel)."""
+    work = tmp_path_factory.mktemp("gen")
+    for series in ("shipped", "candidate"):
+        (work / series).mkdir()
+    return {
+        "shipped": dk.generate(SHIPPED_GEN, CLASSES, trees["shipped"], installed_fi,
+                               work / "shipped"),
+        "candidate": dk.generate(GEN, {**CLASSES, "dual": ["dual"]}, trees["candidate"],
+                                 installed_fi, work / "candidate"),
+    }  # fmt: skip
+
+
+def _include(csrc: Path) -> Path:
+    return csrc / "nv_internal" / "tensorrt_llm"
+
+
+def test_the_dual_kernel_spills_nothing_and_needs_the_overlay(
+    generated, trees, installed_fi, tmp_path
+):
+    dual = generated["candidate"]
+    # Its cache name: the hot class's kernel, then the cold class's tile, stages and class.
+    assert dual["dual_tag"] == "_class17-any_dual128_16_8_class1-16"
+    assert "fp8_gemm_kernel_dual<4608, 5120, 128, 50, 128, 128, 128, 128, 5, SchedulerType, " \
+           "128, 16, 8, ColdSchedulerType>" in dual["dual"]  # fmt: skip
+    r = dk.compile_kernel(dual["dual"], _include(trees["candidate"]), tmp_path, "dual",
+                          "-Xptxas", "-v")  # fmt: skip
+    assert r.returncode == 0, r.stderr[-3000:]
+    report = r.stdout + r.stderr
+    assert "fp8_gemm_kernel_dual" in report and "0 bytes spill stores" in report, report[-2000:]
+    assert not re.search(r"[1-9]\d* bytes spill stores", report), report[-2000:]
+    # DeepGEMM's runtime picks the cubin's kernel by "fp8_gemm_kernel" in its name.
+    assert b"fp8_gemm_kernel_dual" in (tmp_path / "dual.cubin").read_bytes()
+    for tree in ("shipped",):  # the shipped headers have no dual kernel
+        r = dk.compile_kernel(dual["dual"], _include(trees[tree]), tmp_path, "dual_" + tree)
+        assert r.returncode != 0
+
+
+def test_the_shipped_kernels_are_unchanged(generated, trees, tmp_path):
+    """The two-launch kernels (the split where the dual launch does not apply, and every single
+    launch) are what the shipped series builds: same generated source, same cubin."""
+    for name in CLASSES:
+        source = generated["candidate"][name]
+        assert source == generated["shipped"][name], name
+        cubins = []
+        for tree in ("shipped", "candidate"):
+            r = dk.compile_kernel(source, _include(trees[tree]), tmp_path, f"{name}_{tree}")
+            assert r.returncode == 0, r.stderr[-3000:]
+            cubins.append((tmp_path / f"{name}_{tree}.cubin").read_bytes())
+        assert cubins[0] == cubins[1], f"the {name} class's kernel changed"
+
+
+SHARE = r"""
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#define __host__
+#define __device__
+#define __forceinline__ inline
+%s
+int main(int argc, char** argv) {
+  for (int i = 1; i + 4 < argc; i += 5) {
+    DualTileCost const cost{uint32_t(std::atol(argv[i + 3])), uint32_t(std::atol(argv[i + 4]))};
+    std::printf("%%u\n", share_grid(uint32_t(std::atol(argv[i])), uint32_t(std::atol(argv[i + 1])),
+                                    uint32_t(std::atol(argv[i + 2])), cost));
+  }
+}
+"""
+
+
+def _added(series: str, path: str) -> str:
+    """What a series' last patch adds to a file (its hunks' new side)."""
+    files = sorted((overlay.patches_dir() / "flashinfer" / series).glob("*.patch"))
+    (diff,) = [d for d in read_patch(files[-1]).files if d.path == path]
+    return "\n".join(line for h in diff.hunks for line in h.new)
+
+
+@pytest.fixture(scope="module")
+def cpp_share(tmp_path_factory):
+    """share_grid and DualTileCost, cut out of the patch and compiled alone."""
+    text = _added(SERIES, SCHEDULER_CUH)
+    start = text.index("struct DualTileCost {")
+    end = text.index("// share_grid from the offsets")
+    work = tmp_path_factory.mktemp("share")
+    (work / "share.cpp").write_text(SHARE % text[start:end])
+    cxx = shutil.which("g++") or shutil.which("c++")
+    if cxx is None:
+        pytest.skip("no C++ compiler")
+    cmd = [cxx, "-std=c++17", "-O1", str(work / "share.cpp"), "-o", str(work / "share")]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+
+    def run(hot: int, cold: int, ctas: int, hot_cost: int, cold_cost: int) -> int:
+        args = [str(x) for x in (hot, cold, ctas, hot_cost, cold_cost)]
+        return int(subprocess.run([str(work / "share"), *args], capture_output=True,
+                                  text=True).stdout)  # fmt: skip
+
+    return run
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    hot=st.integers(0, 4000) | st.sampled_from([0, 1, 2]),
+    cold=st.integers(0, 4000) | st.sampled_from([0, 1, 2]),
+    ctas=st.sampled_from([1, 2, 3, 20, 40, 78, 132]),
+    hot_cost=st.integers(1, 20000),
+    cold_cost=st.integers(1, 20000),
+)
+def test_share_grid_gives_every_class_with_tiles_a_cta(cpp_share, hot, cold, ctas, hot_cost,
+                                                       cold_cost):  # fmt: skip
+    n = cpp_share(hot, cold, ctas, hot_cost, cold_cost)
+    assert 0 <= n <= ctas
+    if hot == 0:
+        assert n == 0  # the whole grid runs the cold class (or nothing)
+        return
+    if cold == 0 or ctas < 2:
+        assert n == ctas  # the whole grid runs the hot class
+        return
+    assert 1 <= n <= ctas - 1  # both classes run
+    # A class gets CTAs beyond its tiles only when the other has a CTA for each of its tiles.
+    if n > hot:
+        assert ctas - n >= cold or n == 1
+    if ctas - n > cold:
+        assert n >= hot or n == ctas - 1
+    # Otherwise the grid is shared by cost: the nearest whole number of CTAs.
+    hw, cw = hot * hot_cost, cold * cold_cost
+    nearest = (ctas * hw + (hw + cw) // 2) // (hw + cw)
+    assert abs(nearest - ctas * hw / (hw + cw)) <= 0.5 + 1e-9
+    if 1 <= nearest <= ctas - 1 and nearest <= hot and ctas - nearest <= cold:
+        assert n == nearest
+
+
+def _row_class_names(planner: Path, shape: pc.MoeShape, sms: int, tokens: int, out: Path):
+    """Per step of 1..tokens tokens, the kernels a planner names (one step at a time)."""
+    return {t: [k.name for k in pc.plan_kernels(planner, shape, sms, t, out, t)]
+            for t in range(1, tokens + 1)}  # fmt: skip
+
+
+def test_kernels_precompile_plans_the_one_launch(trees, installed_fi, tmp_path):
+    """With the candidate's headers `kernels precompile` names the dual kernel wherever the split
+    runs in one launch (V4.1-Flash over EP8 on 132 SMs: every split, above 64 tokens; on an H20,
+    78 SMs, the splits at 33-64 tokens keep two launches: the regular kernel's 64-row tile runs
+    256 threads), and every other step's kernels as the shipped series' planner does."""
+    shape = pc.MoeShape(hidden=5120, inter=2304, experts=400, top_k=6, ep_size=8)
+    planners = {s: pc.build_planner(trees[s], installed_fi.root, tmp_path / s) for s in trees}
+    for sms, tokens in ((132, 160), (78, 96)):
+        steps = {s: _row_class_names(p, shape, sms, tokens, tmp_path / f"{s}{sms}")
+                 for s, p in planners.items()}  # fmt: skip
+        for t in range(1, tokens + 1):
+            shipped, candidate = steps["shipped"][t], steps["candidate"][t]
+            classes = [n for n in shipped if "_class" in n]
+            if not classes or (sms == 78 and t <= 64):
+                assert candidate == shipped, (sms, t)
+                continue
+            # each GEMM's two class kernels become one dual kernel, named for both classes
+            assert len(candidate) == len(classes) // 2 == len(shape.gemms()), (sms, t, candidate)
+            for name in candidate:
+                m = re.fullmatch(
+                    r"gemm_(\d+)_\d+_128_\d+_128_50_\d+50_\d+_1_class(\d+)-any"
+                    r"_dual128_(\d+)_(\d+)_class1-(\d+)_GroupedWithOffset",
+                    name,
+                )
+                assert m and int(m.group(2)) == int(m.group(5)) + 1, name
+                n = m.group(1)
+                hot = next(x for x in classes if x.startswith(f"gemm_{n}_"))
+                cold = next(x for x in classes if x.startswith(f"gemm_swapAB_{n}_"))
+                # the same hot kernel, and the cold one's tile and stages after "_dual128_"
+                assert name.startswith(hot.removesuffix("_GroupedWithOffset"))
+                assert cold.split("_")[5] == m.group(3), (cold, name)
