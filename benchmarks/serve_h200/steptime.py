@@ -17,7 +17,9 @@ With `--step-times ROOT` (each server started with `VLLM_H20_STEP_TIMES=ROOT/NAM
 CUDA events (vllm_h20/serve/steptimes.py): for decode, the median GPU time of the long batch's
 steps that ran exactly B requests (`gpu_step_ms`, and the forward alone, `forward_ms`); for
 prefill, the long batch's summed GPU step time minus the short one's. Host jitter, HTTP and
-scheduling then stay out of the comparison altogether.
+scheduling then stay out of the comparison altogether. A server whose folder holds no step log
+stops the run in one line (exit 1, the samples so far kept); a batch that never ran whole in
+one step gets a one-line warning, its samples wall time only.
 
 Every sample uses prompts no server has seen (prefix caching cannot skip a prefill), the same
 prompts for every arm of a repeat. Arms run one at a time in an order that alternates each
@@ -122,6 +124,10 @@ def gpu_side(steps: list[dict], shape: dict, short: tuple, long: tuple) -> dict:
             "gpu_steps": len(b)}  # fmt: skip
 
 
+class NoStepLog(RuntimeError):
+    """--step-times names a folder where the server logs no step."""
+
+
 def sample(url: str, model: str, shape: dict, seed: int, timeout: float,
            step_log: Path | None = None) -> dict:  # fmt: skip
     b, same = shape["batch"], shape["identical"]
@@ -144,7 +150,12 @@ def sample(url: str, model: str, shape: dict, seed: int, timeout: float,
     out.update(short_window=list(short["window"]), long_window=list(long["window"]))
     if step_log is not None:
         time.sleep(LOG_LAG_S)
-        out.update(gpu_side(read_steps(step_log), shape, short["window"], long["window"]))
+        steps = read_steps(step_log)
+        if not steps:
+            raise NoStepLog(f"{step_log} holds no step log (steps-*.jsonl) after a sample: start "
+                            f"the server with VLLM_H20_STEP_TIMES={step_log}, or leave out "
+                            f"--step-times")  # fmt: skip
+        out.update(gpu_side(steps, shape, short["window"], long["window"]))
     return out
 
 
@@ -200,6 +211,7 @@ def main(argv: list[str] | None = None) -> int:
                config=config, arms=list(arms))  # fmt: skip
     res.setdefault("samples", [])
     done = {(s["shape"], s["rep"], s["arm"]) for s in res["samples"]}
+    warned: set[tuple[str, str]] = set()
     for si, shape in enumerate(shapes(a)):
         todo = {(shape["shape"], r, arm) for r in range(a.repeats) for arm in arms} - done
         if not todo:
@@ -216,6 +228,15 @@ def main(argv: list[str] | None = None) -> int:
                 try:
                     log = a.step_times / arm if a.step_times else None
                     s = sample(arms[arm], arm, shape, seed, a.timeout, log)
+                    if (
+                        log is not None
+                        and "gpu_step_ms" not in s
+                        and (arm, shape["shape"]) not in warned
+                    ):
+                        warned.add((arm, shape["shape"]))
+                        print(f"steptime: warning: {log} has no step of {arm}'s "
+                              f"{shape['shape']} batch (batch {shape['batch']} never ran whole): "
+                              f"its samples carry wall time only", file=sys.stderr)  # fmt: skip
                 except (OSError, RuntimeError, KeyError, ValueError) as e:
                     path.write_text(json.dumps(res, indent=1))
                     print(f"steptime: {arm} {shape['shape']} rep {rep}: {e}", file=sys.stderr)

@@ -604,6 +604,27 @@ def test_steptime_recovers_each_servers_per_token_latency_and_resumes(tmp_path):
         steptime.main(["--out", str(tmp_path / "bad"), "fix8001"])
 
 
+def test_steptime_stops_in_one_line_when_a_server_logs_no_steps(tmp_path, capsys):
+    """--step-times ROOT with a server started without VLLM_H20_STEP_TIMES=ROOT/NAME (a GuideLLM
+    mock server logs nothing): exit 1 after its first sample, one line naming the folder and
+    the variable, the file kept without that sample."""
+    pytest.importorskip("guidellm")
+    from tests.bench.conftest import MockServer
+
+    srv = MockServer(tmp_path, "mock", "--ttft-ms", "1", "--itl-ms", "1")
+    out = tmp_path / "run"
+    logs = tmp_path / "logs"
+    args = ["--out", str(out), "--batch", "2", "--decode-steps", "4", "--short-tokens", "2",
+            "--prefill-batch", "0", "--step-times", str(logs), f"fix={srv.port}"]  # fmt: skip
+    try:
+        assert steptime.main(args) == 1
+    finally:
+        srv.stop()
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "VLLM_H20_STEP_TIMES=" + str(logs / "fix") in err[0]
+    assert json.loads((out / "steptime.json").read_text())["samples"] == []
+
+
 def test_h20_projection_rebuilds_from_committed_files():
     """The published projection is what h20_projection.py renders from the committed kernel
     run and round-4 profile (nothing typed in), and it projects the fix ahead of stock."""
