@@ -198,10 +198,12 @@ def _run_sweep(mock_pair, tokenizer_dir, tmp: Path) -> dict:
     out = tmp / "out"
     metrics = {n: VllmMetrics(prompt_rate=4 * r, generation_rate=r) for n, r in RATES.items()}
     base, cand = mock_pair
+    # --stall-timeout: a 1.5 s run's GuideLLM took over 30 s to finish on a 2-core machine
+    # loaded with the FlashInfer module builds (a cold CI run); only a real stall waits it out.
     args = ["bench", "sweep", str(spec), "--target", f"a={base.url}", "--target",
             f"b={cand.url}/v1/", "--tokenizer", str(tokenizer_dir), "--out", str(out),
             "--metrics-url", f"a={metrics['a'].url}", "--metrics-url", f"b={metrics['b'].url}",
-            "--scrape-interval", "0.1", "--stall-timeout", "30"]  # fmt: skip
+            "--scrape-interval", "0.1", "--stall-timeout", "120"]  # fmt: skip
     try:
         p = subprocess.Popen(
             [sys.executable, "-m", "vllm_h20.cli", *args],
@@ -256,3 +258,11 @@ def finished_sweep(request, tokenizer_dir, tmp_path_factory) -> dict:
     return {**got, "out": Path(got["out"]), "spec": Path(got["spec"]),
             "resumed": subprocess.CompletedProcess(got["args"], res["returncode"],
                                                    res["stdout"], res["stderr"])}  # fmt: skip
+
+
+def run_records(out: Path, pattern: str = "*/c*-r*.json") -> list[Path]:
+    """A sweep folder's run records (runs/<target>/c<N>-r<i>.json), sorted; not GuideLLM's own
+    report of a run it did not finish (c<N>-r<i>.guidellm.json, which the glob also matches)."""
+    from vllm_h20.bench.report import RUN_FILE
+
+    return sorted(p for p in (out / "runs").glob(pattern) if RUN_FILE.match(p.name))

@@ -8,14 +8,14 @@ import shutil
 
 import pytest
 
-from tests.bench.conftest import RATES, cli
+from tests.bench.conftest import RATES, cli, run_records
 from vllm_h20.bench.stats import change_pct, summarize
 
 pytestmark = pytest.mark.slow
 
 
 def _per_run(out, target, conc):
-    recs = [json.loads(p.read_text()) for p in out.glob(f"runs/{target}/c{conc}-r*.json")]
+    recs = [json.loads(p.read_text()) for p in run_records(out, f"{target}/c{conc}-r*.json")]
     return [r["throughput"] for r in sorted(recs, key=lambda r: r["run"])]
 
 

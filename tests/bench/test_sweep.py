@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.bench.conftest import RATES, TINY_SPEC, cli, free_port
+from tests.bench.conftest import RATES, TINY_SPEC, cli, free_port, run_records
 from tests.test_cli import one_line_error
 from vllm_h20.bench import spec as spec_mod
 from vllm_h20.bench.sweep import prepare, sweep
@@ -36,19 +36,19 @@ def test_interrupt_keeps_finished_runs_and_resume_completes(finished_sweep):
     else:  # a first run that failed (a loaded machine: its counters missed the window) is redone
         assert "resuming:" not in res.stderr
         assert (out / "runs/a/c1-r0.json").read_text() != intr["first"]
-    recs = [json.loads(p.read_text()) for p in sorted(out.glob("runs/*/c*-r*.json"))]
+    recs = [json.loads(p.read_text()) for p in run_records(out)]
     assert len(recs) == 8 and all(r["status"] == "ok" for r in recs)
     assert {(r["target"], r["concurrency"], r["run"]) for r in recs} == {
         (t, c, r) for t in "ab" for c in (1, 2) for r in (0, 1)
     }
-    for p in out.glob("runs/*/c*-r*.json"):
+    for p in run_records(out):
         assert p.with_name(p.stem + ".guidellm.json.gz").is_file()
         assert p.with_name(p.stem + ".log").is_file()
 
 
 @pytest.mark.slow
 def test_runs_hold_server_counters_over_guidellm_window(finished_sweep):
-    for p in sorted(finished_sweep["out"].glob("runs/*/c*-r*.json")):
+    for p in run_records(finished_sweep["out"]):
         r = json.loads(p.read_text())
         gl, srv = r["guidellm"], r["server"]
         w0, w1 = gl["window"]["start"], gl["window"]["end"]
