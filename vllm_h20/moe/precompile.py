@@ -72,7 +72,7 @@ PLANNER = r"""
 
 // 1: the headers run both row classes of a split in one launch where one_launch_fits
 // (candidates/one-launch); 0: two launches (the shipped series).
-#define VLLM_H20_ONE_LAUNCH %(one_launch)d
+#define ONE_LAUNCH_PLAN %(one_launch)d
 
 using namespace deep_gemm;       // GemmType, kAnyRows
 using namespace deep_gemm::jit;  // RowClass, gemm_type_to_string, as inside Compiler::build
@@ -86,7 +86,7 @@ static std::string cache_name(uint32_t const shape_n, uint32_t const shape_k,
                               uint32_t const block_k, uint32_t const num_groups,
                               uint32_t const num_stages, uint32_t const num_tma_multicast,
                               GemmType const gemm_type, bool swapAB, RowClass const rows
-#if VLLM_H20_ONE_LAUNCH
+#if ONE_LAUNCH_PLAN
                               , ColdShape const& cold = {}
 #endif
 ) {
@@ -111,7 +111,7 @@ static void emit(char const* out, uint32_t n, uint32_t k, uint32_t groups, int s
   std::printf("%%s\n", name.c_str());
 }
 
-#if VLLM_H20_ONE_LAUNCH
+#if ONE_LAUNCH_PLAN
 // A split's one launch (fp8_gemm_kernel_dual) where one_launch_fits, as grouped_gemm_dispatch's
 // run_both makes it; false: the split's two launches.
 static bool emit_one_launch(char const* out, uint32_t n, uint32_t k, uint32_t groups, int sms,
@@ -163,7 +163,7 @@ int main(int argc, char** argv) {
     } else if (rows <= kNarrowRegularRows && kNarrowRegularRows <= ridge) {
       emit(out, n, k, groups, sms, rows, false, {});
     } else {
-#if VLLM_H20_ONE_LAUNCH
+#if ONE_LAUNCH_PLAN
       if (emit_one_launch(out, n, k, groups, sms, plan)) continue;
 #endif
       emit(out, n, k, groups, sms, plan.hot_m, false, {plan.boundary + 1, deep_gemm::kAnyRows});
