@@ -386,6 +386,7 @@ def fit_h200(res: dict) -> tuple[dict, int]:
     fitted = kind_of(res) == "fitted"
     samples: dict[str, list] = {"regular": [], "swap_ab": [], "fitted": []}
     second = []  # the whole-expert plan's launches and times, for its second launch's c0
+    second_prev = []  # one-launch runs: the shipped plan's (prev), fitted on their own
     for r in res["ab"]:
         slots = cases.route(r["routing"], r["tokens"])
         for rank in range(cases.EP):
@@ -403,7 +404,7 @@ def fit_h200(res: dict) -> tuple[dict, int]:
                 second.append((plan, r["fix_rank_median_s"][rank]))
                 if kind == "one_launch":  # its prev: the shipped series' two launches
                     plan = model.row_class_launches(counts, r["tokens"], sms, True)
-                    second.append((plan, r["prev_rank_median_s"][rank]))
+                    second_prev.append((plan, r["prev_rank_median_s"][rank]))
     for c in res["calibration"]:
         shape = next(s for s in cases.SHAPES if s.name == c["gemm"])
         counts = np.full(cases.LOCAL, c["m"])
@@ -418,6 +419,8 @@ def fit_h200(res: dict) -> tuple[dict, int]:
     fits = {p: model.fit(s) for p, s in samples.items() if s}
     if second:  # the second launch's fixed cost, from this series' own runs
         fits = model.fit_second(fits, second)
+    if second_prev:
+        fits = model.fit_second(fits, second_prev)
     return fits, sum(len(s) for s in samples.values())
 
 
