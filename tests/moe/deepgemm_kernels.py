@@ -16,6 +16,7 @@ from types import ModuleType
 import pytest
 
 from vllm_h20.moe import overlay, precompile
+from vllm_h20.moe.patchfile import read_patch
 
 
 def bench_model() -> ModuleType:
@@ -24,6 +25,13 @@ def bench_model() -> ModuleType:
     import model
 
     return model
+
+
+def added_text(patch: Path, file_name: str) -> str:
+    """What one patch file adds to the source file named `file_name` (its hunks' new side), for
+    the tests that cut functions out of a patch and compile them alone."""
+    (diff,) = [d for d in read_patch(patch).files if d.path.endswith("/" + file_name)]
+    return "\n".join(line for h in diff.hunks for line in h.new)
 
 
 def nvcc() -> str:

@@ -24,7 +24,6 @@ from hypothesis import strategies as st
 from tests.moe import deepgemm_kernels as dk
 from tests.moe.test_deepgemm_row_class import GEN, KERNEL_CUH
 from vllm_h20.moe import overlay, precompile
-from vllm_h20.moe.patchfile import read_patch
 
 SHIPPED = overlay.patches_dir() / "flashinfer"
 PREVIOUS = SHIPPED / "candidates" / "estimated-row-classes"
@@ -81,9 +80,8 @@ int main(int argc, char** argv) {
 def _plan_text(series: Path = SHIPPED) -> str:
     """A series' dispatch code as its 0002 patch adds it (the hunks' new side holds the plan
     functions whole)."""
-    (p2,) = [read_patch(p) for p in sorted(series.glob("0002-*.patch"))]
-    (diff,) = [d for d in p2.files if d.path.endswith(KERNEL_CUH.split("/")[-1])]
-    return "\n".join(line for h in diff.hunks for line in h.new)
+    (p2,) = sorted(series.glob("0002-*.patch"))
+    return dk.added_text(p2, KERNEL_CUH.split("/")[-1])
 
 
 def test_kernels_precompile_refuses_the_previous_series_in_one_line(tmp_path):
