@@ -96,19 +96,29 @@ static std::string cache_name(uint32_t const shape_n, uint32_t const shape_k,
 
 static std::set<std::string> seen;
 
-static void emit(char const* out, uint32_t n, uint32_t k, uint32_t groups, int sms, uint32_t m,
-                 bool swap, RowClass rows) {
-  auto [bm, bn, stages, multicast, smem] =
-      swap ? deep_gemm::jit::get_best_gemm_config(n, m, k, groups, sms, false, true)
-           : deep_gemm::jit::get_best_gemm_config(m, n, k, groups, sms);
+// One kernel a launch compiles, written once: its cache name and generateKernel's source, for
+// a config get_best_gemm_config chose (and, for a one-launch split, the cold class's shape).
+template <typename... Cold>
+static void write_kernel(char const* out, uint32_t n, uint32_t k, uint32_t groups,
+                         deep_gemm::jit::GemmConfig const& config, bool swap, RowClass rows,
+                         Cold const&... cold) {
+  auto const [bm, bn, stages, multicast, smem] = config;
   (void)smem;
   std::string name = cache_name(n, k, bm, bn, 128, groups, stages, multicast,
-                                GemmType::GroupedWithOffset, swap, rows);
+                                GemmType::GroupedWithOffset, swap, rows, cold...);
   if (!seen.insert(name).second) return;
   std::ofstream(std::string(out) + "/" + name + ".cu")
       << deep_gemm::jit::generateKernel(n, k, bm, bn, 128, groups, stages, multicast,
-                                        GemmType::GroupedWithOffset, swap, rows);
+                                        GemmType::GroupedWithOffset, swap, rows, cold...);
   std::printf("%%s\n", name.c_str());
+}
+
+static void emit(char const* out, uint32_t n, uint32_t k, uint32_t groups, int sms, uint32_t m,
+                 bool swap, RowClass rows) {
+  write_kernel(out, n, k, groups,
+               swap ? deep_gemm::jit::get_best_gemm_config(n, m, k, groups, sms, false, true)
+                    : deep_gemm::jit::get_best_gemm_config(m, n, k, groups, sms),
+               swap, rows);
 }
 
 #if ONE_LAUNCH_PLAN
@@ -120,19 +130,10 @@ static bool emit_one_launch(char const* out, uint32_t n, uint32_t k, uint32_t gr
   auto const cold =
       deep_gemm::jit::get_best_gemm_config(n, plan.cold_m, k, groups, sms, false, true);
   if (!one_launch_fits(hot, cold, sms)) return false;
-  auto const [bm, bn, stages, multicast, smem] = hot;
-  (void)smem;
-  RowClass const rows{plan.boundary + 1, deep_gemm::kAnyRows};
   ColdShape const shape{static_cast<uint32_t>(std::get<0>(cold)),
                         static_cast<uint32_t>(std::get<1>(cold)),
                         static_cast<uint32_t>(std::get<2>(cold)), {1, plan.boundary}};
-  std::string name = cache_name(n, k, bm, bn, 128, groups, stages, multicast,
-                                GemmType::GroupedWithOffset, false, rows, shape);
-  if (!seen.insert(name).second) return true;
-  std::ofstream(std::string(out) + "/" + name + ".cu")
-      << deep_gemm::jit::generateKernel(n, k, bm, bn, 128, groups, stages, multicast,
-                                        GemmType::GroupedWithOffset, false, rows, shape);
-  std::printf("%%s\n", name.c_str());
+  write_kernel(out, n, k, groups, hot, false, {plan.boundary + 1, deep_gemm::kAnyRows}, shape);
   return true;
 }
 #endif
