@@ -23,22 +23,16 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
+sys.path.insert(0, str(HERE.parent))
+from lease_tree import CARRY_LIMIT, tree_bytes  # noqa: E402
+
 PLATFORMS = ["manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_17_x86_64",
              "manylinux2014_x86_64", "manylinux1_x86_64", "manylinux_2_24_x86_64",
              "manylinux_2_31_x86_64", "manylinux_2_34_x86_64", "manylinux_2_35_x86_64"]  # fmt: skip
 # What `kernels build` needs besides torch, and ml_dtypes, the one dependency of `synth` and
 # `convert` the GPU image lacks: the V4 journey then prepares its checkpoints right after boot.
 BOOT = ("flashinfer_python-", "apache_tvm_ffi-", "ml_dtypes-")
-CARRY_LIMIT = 64 << 20  # the device tool's limit per call: working tree + carried paths
 MARGIN = 2 << 20
-
-
-def tree_bytes(repo: Path = REPO) -> int:
-    """Bytes of what travels with every device call: tracked and untracked, not ignored."""
-    out = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
-                         cwd=repo, check=True, capture_output=True).stdout  # fmt: skip
-    files = (repo / f for f in out.decode().split("\0") if f)
-    return sum(f.stat().st_size for f in files if f.is_file())
 
 
 def piece_bytes(tree: int) -> int:
@@ -47,7 +41,8 @@ def piece_bytes(tree: int) -> int:
     if room < 8:
         raise SystemExit(
             f"the working tree is {tree / 2**20:.1f} MiB: no room left for pieces "
-            "under the device tool's 64 MiB; move large untracked files away"
+            "under the device tool's 64 MiB; `python benchmarks/lease_tree.py out` takes the "
+            "published results out of it for the lease"
         )
     return room << 20
 
@@ -103,7 +98,7 @@ def main(argv: list[str] | None = None) -> None:
                     help="piece size (default: what fits beside the working tree)")  # fmt: skip
     a = ap.parse_args(argv)
     jit = jit_pieces(a.jit_cache) if a.jit_cache else []
-    piece = a.piece_mib << 20 if a.piece_mib else piece_bytes(tree_bytes())
+    piece = a.piece_mib << 20 if a.piece_mib else piece_bytes(tree_bytes(REPO))
     st = a.stage
     wheels, boot = st / "wheels", st / "boot"
     download(wheels, a.extra)
