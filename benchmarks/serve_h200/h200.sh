@@ -22,6 +22,8 @@
 #                           (steptime.py; resumes) into $SH/steptime, GPU clocks logged beside;
 #                           every server logs its steps' GPU time into $SH/steps/NAME
 #   h200.sh sweep SPEC NAME...   vllm-h20 bench sweep (resumes) into $SH/sweeps/SPEC[-$TAG]
+#                           (SWEEP_ARGS: more of its flags; SERVE_ARGS at `serve`: more vLLM
+#                           flags for every server)
 #   h200.sh jitsave OUT     the JIT caches (TileLang, vLLM's DeepGEMM, Triton, FlashInfer's
 #                           DeepGEMM, autotune) -> OUT/jit-cache.tgz[.NN] (15 MiB pieces)
 #   h200.sh jitload [DIR]   restore them from DIR (default .stage: carried with boot.tar; boot
@@ -115,6 +117,7 @@ serve)
         # reads it beside the wall clock.
         envs=(VLLM_H20_STRICT=1 "VLLM_H20_STEP_TIMES=$SH/steps/$n")
         server_opts "$n" || exit 1  # the server table's own environment and flags
+        args+=(${SERVE_ARGS:-})  # the same extra vLLM flags for every server of a lease
         printf '%s\n' "${envs[@]}" > "$SH/logs/$n.env"  # what each server ran under
         env "${envs[@]}" setsid $(pin "$SERVER_CPUS") vllm-h20 serve "$(recipe_of "$n")" --model "$(model_of "$n")" --gpu h200 \
             -- "${args[@]}" \
@@ -182,8 +185,9 @@ sweep)
     targets=(); for n in "$@"; do targets+=(--target "$n=http://127.0.0.1:$(port "$n")"); done
     name=$(basename "$spec" .yaml)${TAG:+-$TAG}   # TAG: another set of targets, same spec
     resume=(); [ -d "$SH/sweeps/$name" ] && resume=(--resume)
+    # SWEEP_ARGS: more `bench sweep` flags (e.g. --concurrency 128: one tier of the spec now)
     $(pin "$CLIENT_CPUS") vllm-h20 bench sweep "$spec" "${targets[@]}" --tokenizer "$(model_of "$1")" \
-        --out "$SH/sweeps/$name" "${resume[@]}"
+        --out "$SH/sweeps/$name" "${resume[@]}" ${SWEEP_ARGS:-}
     ;;
 jitsave)
     OUT=${1:?out dir}; mkdir -p "$OUT"

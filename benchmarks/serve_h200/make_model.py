@@ -212,6 +212,42 @@ def fit_router_bias(loads: np.ndarray, top_k: int, tokens: int = 8192, iters: in
     return bias
 
 
+def checkpoint_bytes(cfg: dict) -> int:
+    """Tensor bytes of the checkpoint write_weights writes (safetensors headers aside): what the
+    disk must hold, checked before the first shard (the GPU machine's disk is 64 GiB)."""
+    vocab, h = cfg["vocab_size"], cfg["hidden_size"]
+    extra = [("embed", (vocab, h), "embed"), ("head", (vocab, h), "router"), ("norm", (h,), "norm")]
+    total = 0
+    for i in range(cfg["num_hidden_layers"]):
+        for _, shape, kind in layer_tensors(cfg, i) + (extra if i == cfg["num_hidden_layers"] - 1
+                                                       else []):  # fmt: skip
+            n = int(np.prod(shape))
+            if kind == "fp8":
+                total += n + 4 * (-(-shape[0] // BLOCK)) * (-(-shape[1] // BLOCK))
+            else:
+                total += n * (4 if kind == "bias" else 2)
+    return total
+
+
+def check_room(out: Path, cfg: dict) -> None:
+    """Refuse, in one line and before writing anything, a checkpoint the disk cannot hold (shards
+    already in `out` are replaced one at a time, so all but one of them count as room)."""
+    import shutil
+
+    need = checkpoint_bytes(cfg)
+    old = sorted((f.stat().st_size for f in out.glob("model-*.safetensors")), reverse=True)
+    room = shutil.disk_usage(out).free + sum(old[1:])
+    if need > room:
+        per_layer = expert_bytes(cfg) / max(
+            1, cfg["num_hidden_layers"] - cfg["first_k_dense_replace"]
+        )
+        raise SystemExit(
+            f"make_model: {out}: the checkpoint needs {need / 1e9:.1f} GB and the disk has "
+            f"{room / 1e9:.1f} GB free: pass fewer --layers (each MoE layer {per_layer / 1e9:.1f} "
+            f"GB) or another folder (e.g. /dev/shm)"
+        )
+
+
 def _materialize(name: str, shape: tuple[int, ...], kind: str, gen, device: str,
                  cfg: dict | None = None, layer: int = 0) -> dict:  # fmt: skip
     import torch
@@ -297,6 +333,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     write_tokenizer(a.out)
     if a.weights:
+        check_room(a.out, cfg)
         write_weights(a.out, cfg, a.device)
     print(f"{a.out}: {cfg['num_hidden_layers']} layers, routed experts "
           f"{expert_bytes(cfg) / 1e9:.1f} GB FP8")  # fmt: skip

@@ -178,7 +178,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("servers", nargs="+", metavar="NAME=PORT", help="the arms, in A B C D order")
     ap.add_argument("--out", type=Path, required=True, help="folder for steptime.json")
-    ap.add_argument("--batch", type=int, nargs="+", default=[64, 128, 256])
+    ap.add_argument("--batch", type=int, nargs="*", default=[64, 128, 256],
+                    help="decode batches (none: the prefill shape alone)")  # fmt: skip
     ap.add_argument("--repeats", type=int, default=6, help="samples per arm and shape")
     ap.add_argument("--short-tokens", type=int, default=16)
     ap.add_argument("--decode-steps", type=int, default=128, help="D: the long batch's extra steps")
@@ -198,6 +199,8 @@ def main(argv: list[str] | None = None) -> int:
         help="ROOT/NAME: each server's VLLM_H20_STEP_TIMES folder (GPU step times)",
     )
     a = ap.parse_args(argv)
+    if not a.batch and not a.prefill_batch:
+        ap.error("nothing to measure: give --batch sizes or a --prefill-batch")
     arms = servers(a.servers)
     a.out.mkdir(parents=True, exist_ok=True)
     path = a.out / "steptime.json"

@@ -11,7 +11,7 @@ import pytest
 from tests.bench.conftest import RATES, TINY_SPEC, cli, free_port, run_records
 from tests.test_cli import one_line_error
 from vllm_h20.bench import spec as spec_mod
-from vllm_h20.bench.sweep import prepare, sweep
+from vllm_h20.bench.sweep import plan, prepare, sweep
 from vllm_h20.bench.targets import parse_targets
 
 
@@ -219,6 +219,31 @@ def test_dry_run_checks_everything_and_writes_nothing(
     first = next(ln for ln in res.stdout.splitlines() if ln.startswith("first run: "))
     assert " -m guidellm run " in first and "streams=1," in first and "model=tiny-model" in first
     assert not out.exists()
+
+
+def test_concurrency_runs_a_subset_of_the_tiers_and_refuses_others(
+    mock_pair, vllm_metrics, tiny_spec, tokenizer_dir, tmp_path
+):
+    m = vllm_metrics()
+    out = tmp_path / "o"
+    args, metrics = (f"a={mock_pair[0].url}",), ("--metrics-url", f"a={m.url}")
+    some = _sweep_cli(tiny_spec, tokenizer_dir, out, *args,
+                      extra=(*metrics, "--dry-run", "--concurrency", "2"))  # fmt: skip
+    assert some.returncode == 0, some.stderr
+    assert "1 target(s) x 1 tier(s) x 2 run(s)" in some.stderr
+    assert "would run 2 of 2 runs" in some.stdout
+    assert "streams=2," in next(ln for ln in some.stdout.splitlines() if ln.startswith("first run"))
+    bad = _sweep_cli(tiny_spec, tokenizer_dir, out, *args, extra=(*metrics, "--concurrency", "3"))
+    one_line_error(bad, "--concurrency 3: not a tier of sweep", "(1, 2)")
+    assert not out.exists()
+
+
+def test_plan_keeps_the_run_major_order_within_the_chosen_tiers(tiny_spec):
+    s = spec_mod.load(tiny_spec)
+    targets = parse_targets(("a=http://127.0.0.1:1", "b=http://127.0.0.1:2"))
+    keys = [(k.target, k.concurrency, k.run) for k in plan(s, targets, (2,))]
+    assert keys == [("a", 2, 0), ("b", 2, 0), ("a", 2, 1), ("b", 2, 1)]
+    assert len(plan(s, targets)) == 8
 
 
 @pytest.mark.slow

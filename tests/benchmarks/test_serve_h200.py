@@ -48,6 +48,12 @@ def test_sweep_specs_load_and_shorten_the_shipped_method():
     )
     assert decode.throughput == "output" and prefill.throughput == "input"
     assert prefill.request.output_tokens == 1 and prefill.request.prompt_tokens == 1024
+    # issue 2/4's sweep: >= 5 runs of >= 60 s per cell, a warmup longer than one request's
+    # life (256 decode steps of at most ~15 ms at these tiers)
+    resolve = spec.load(HERE / "decode-resolve.yaml")
+    assert resolve.runs >= 5 and resolve.measure_s >= 60
+    assert resolve.warmup_s >= resolve.request.output_tokens * 0.015
+    assert set(resolve.concurrency) <= set(decode.concurrency)
 
 
 @pytest.fixture(scope="module")
@@ -326,6 +332,30 @@ def test_generated_weights_have_the_names_shapes_and_dtypes_vllm_loads(tmp_path)
     x = torch.randn(64, cfg.hidden_size, generator=torch.Generator().manual_seed(0))
     top = torch.topk(torch.sigmoid(x @ gate.T) + bias, cfg.num_experts_per_tok, dim=1).indices
     assert len({tuple(sorted(r.tolist())) for r in top}) > 8  # of 28 pairs; dummy weights: 1
+
+
+def test_make_model_sizes_its_checkpoint_and_refuses_a_disk_too_small(tmp_path, monkeypatch):
+    """checkpoint_bytes is what write_weights writes (headers aside), and a disk without room
+    for it stops make_model in one line before the first shard: V4.1-Flash-shaped layers are
+    13.6 GB each, and the GPU machine's disk is 64 GiB."""
+    import shutil
+    from collections import namedtuple
+
+    pytest.importorskip("torch")
+    out = tmp_path / "m"
+    make_model.main([str(out), "--weights", "--small", "--layers", "3"])
+    cfg = json.loads((out / "config.json").read_text())
+    written = sum(f.stat().st_size for f in out.glob("model-*.safetensors"))
+    assert 0 < written - make_model.checkpoint_bytes(cfg) < 64 * 1024 * 3  # 3 shards' headers
+    full = make_model.config(5)
+    assert 54.4e9 < make_model.checkpoint_bytes(full) < 56e9  # LAYERS=5: 54.4 GB of experts
+
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: usage(1 << 40, 1 << 40, 10**9))
+    tight = tmp_path / "tight"
+    with pytest.raises(SystemExit, match=r"needs 55\.0 GB and the disk has 1\.0 GB free"):
+        make_model.main([str(tight), "--weights", "--layers", "5"])
+    assert not list(tight.glob("*.safetensors*"))
 
 
 def test_fitted_router_bias_gives_the_published_load_shape():
@@ -625,6 +655,27 @@ def test_steptime_stops_in_one_line_when_a_server_logs_no_steps(tmp_path, capsys
     assert json.loads((out / "steptime.json").read_text())["samples"] == []
 
 
+def test_steptime_measures_the_prefill_alone_when_given_no_decode_batch(tmp_path):
+    """`--batch` with no sizes and one long prompt (the next lease's prefill: one request, so
+    one prefill step, not a batch split over steps by its arrival); neither shape: refused."""
+    pytest.importorskip("guidellm")
+    from tests.bench.conftest import MockServer
+
+    srv = MockServer(tmp_path, "mock", "--ttft-ms", "1", "--itl-ms", "1")
+    out = tmp_path / "run"
+    try:
+        assert steptime.main(["--out", str(out), "--batch", "--prefill-batch", "1",
+                              "--prefill-words", "40", "--repeats", "1",
+                              f"fix={srv.port}"]) == 0  # fmt: skip
+    finally:
+        srv.stop()
+    res = json.loads((out / "steptime.json").read_text())
+    assert {s["shape"] for s in res["samples"]} == {"prefill-1x40w"}
+    assert all(s["extra_prompt_tokens"] > 0 for s in res["samples"])
+    with pytest.raises(SystemExit):
+        steptime.main(["--out", str(tmp_path / "none"), "--batch", "--prefill-batch", "0", "a=1"])
+
+
 def test_h20_projection_rebuilds_from_committed_files():
     """The published projection is what h20_projection.py renders from the committed kernel
     run and round-4 profile (nothing typed in), and it projects the fix ahead of stock."""
@@ -717,6 +768,10 @@ def test_serve_starts_each_server_from_its_drivers_table(tmp_path):
     assert "VLLM_H20_MOE_DISPATCH=stock" in stock and f"STEP_TIMES={sh}/steps/stock" in stock
     assert deepgemm.splitlines()[0].endswith("--moe-backend deep_gemm")
     assert "VLLM_H20_MOE_DISPATCH" not in deepgemm
+    env["SERVE_ARGS"] = "--no-enable-prefix-caching"  # a lease's extra flags, every server
+    assert serve(HERE / "h200.sh", "triton").returncode == 0
+    assert log("triton").splitlines()[0].endswith("--moe-backend triton --no-enable-prefix-caching")
+    del env["SERVE_ARGS"]
     res = serve(JOURNEY, "v4stock", "v4hum")
     assert res.returncode == 1
     assert f"v4hum: no checkpoint in {tmp_path / 'rel'} (v4release / v4convert first)" in res.stdout

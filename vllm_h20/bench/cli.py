@@ -83,6 +83,15 @@ _target_opt = click.option(
 )
 @click.option("--resume", is_flag=True, help="Continue a sweep in --out; finished runs are kept.")
 @click.option(
+    "--concurrency",
+    "tiers",
+    type=int,
+    multiple=True,
+    metavar="N",
+    help="Run only this tier of the spec (repeatable): a sweep too long for the time at hand "
+    "runs some tiers now, each with all its runs, and the rest later with --resume.",
+)
+@click.option(
     "--scrape-interval",
     type=click.FloatRange(min=0.05),
     default=0.5,
@@ -103,7 +112,7 @@ _target_opt = click.option(
     help="Check the spec, targets, metrics, tokenizer and --out; print the plan and the "
     "first GuideLLM command; write nothing.",
 )
-def sweep_cmd(spec, targets, out, tokenizer, throughput_source, metrics_url, resume,
+def sweep_cmd(spec, targets, out, tokenizer, throughput_source, metrics_url, resume, tiers,
               scrape_interval, stall_timeout, dry_run):  # fmt: skip
     """Run sweep SPEC (benchmarks/sweeps/NAME.yaml or a file) against every --target.
 
@@ -144,8 +153,9 @@ def sweep_cmd(spec, targets, out, tokenizer, throughput_source, metrics_url, res
             console.print(f"[red]FAIL[/] {key.label(s.runs)}: {escape(rec['error'])}")
         bar.advance(state["task"])
 
+    n_tiers = len(set(tiers)) if tiers else len(s.concurrency)
     click.echo(
-        f"sweep {s.name}: {len(ts)} target(s) x {len(s.concurrency)} tier(s) x {s.runs} run(s), "
+        f"sweep {s.name}: {len(ts)} target(s) x {n_tiers} tier(s) x {s.runs} run(s), "
         f"{s.warmup_s:g}+{s.measure_s:g} s each; tokenizer {tok}",
         err=True,
     )
@@ -158,7 +168,7 @@ def sweep_cmd(spec, targets, out, tokenizer, throughput_source, metrics_url, res
     if dry_run:
         import shlex
 
-        res = sweep(out, s, ts, tok, throughput_source, resume, dry_run=True)
+        res = sweep(out, s, ts, tok, throughput_source, resume, dry_run=True, tiers=tiers)
         # + GuideLLM's start-up and report: 9-15 s per run on a 2-core client
         # (benchmarks/results/bench/guidellm_overhead_cpu2.md)
         minutes = len(res.todo) * (s.warmup_s + s.measure_s + 15) / 60
@@ -173,7 +183,7 @@ def sweep_cmd(spec, targets, out, tokenizer, throughput_source, metrics_url, res
     with bar:
         state["task"] = bar.add_task(f"sweep {s.name}", total=None, current="")
         res = sweep(out, s, ts, tok, throughput_source, resume, on_run, scrape_interval, on_plan,
-                    stall_timeout=stall_timeout)  # fmt: skip
+                    stall_timeout=stall_timeout, tiers=tiers)  # fmt: skip
     click.echo(
         f"{res.ok} run(s) finished now, {res.skipped} earlier, {len(res.failed)} failed; "
         f"results in {out} (next: vllm-h20 bench report {out})",

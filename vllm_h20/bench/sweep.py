@@ -15,7 +15,7 @@ import gzip
 import json
 import shutil
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -50,11 +50,18 @@ class RunKey:
         return f"{self.target} c{self.concurrency} run {self.run + 1}/{runs}"
 
 
-def plan(spec: SweepSpec, targets: list[Target]) -> list[RunKey]:
-    """Run-major, then tier, then target: a drift in time hits every target alike."""
-    return [
-        RunKey(t.name, c, r) for r in range(spec.runs) for c in spec.concurrency for t in targets
-    ]
+def plan(spec: SweepSpec, targets: list[Target], tiers: Sequence[int] = ()) -> list[RunKey]:
+    """Run-major, then tier, then target: a drift in time hits every target alike. `tiers`:
+    only these of the spec's (a lease too short for the whole sweep runs some now, the rest
+    later with --resume, each complete)."""
+    unknown = sorted(set(tiers) - set(spec.concurrency))
+    if unknown:
+        raise SweepError(
+            f"--concurrency {', '.join(map(str, unknown))}: not a tier of sweep {spec.name} "
+            f"({', '.join(map(str, spec.concurrency))})"
+        )
+    conc = [c for c in spec.concurrency if not tiers or c in tiers]
+    return [RunKey(t.name, c, r) for r in range(spec.runs) for c in conc for t in targets]
 
 
 def run_path(out: Path, key: RunKey) -> Path:
@@ -340,6 +347,7 @@ def sweep(
     on_plan: Callable[[int, int], None] | None = None,
     dry_run: bool = False,
     stall_timeout: float = 300.0,
+    tiers: Sequence[int] = (),
 ) -> SweepResult:
     """Run what is missing; `on_plan(total, to_run)` once, then `on_run(key, None)` before
     and `on_run(key, record)` after each run.
@@ -350,8 +358,8 @@ def sweep(
     little of GuideLLM's window (short_window)."""
     if source not in SOURCES:
         raise SweepError(f"--throughput-source {source}: expected one of {SOURCES}")
+    keys = plan(spec, targets, tiers)
     man = prepare(out, spec, targets, tokenizer, source, resume, dry_run)
-    keys = plan(spec, targets)
     todo = list(pending(out, keys))
     by_name = {t.name: t for t in targets}
     res = SweepResult(total=len(keys), skipped=len(keys) - len(todo), ok=0, failed=[], todo=todo)
