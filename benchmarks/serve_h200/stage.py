@@ -98,7 +98,12 @@ def main(argv: list[str] | None = None) -> None:
                     help="piece size (default: what fits beside the working tree)")  # fmt: skip
     a = ap.parse_args(argv)
     jit = jit_pieces(a.jit_cache) if a.jit_cache else []
-    piece = a.piece_mib << 20 if a.piece_mib else piece_bytes(tree_bytes(REPO))
+    tree = tree_bytes(REPO)
+    piece = a.piece_mib << 20 if a.piece_mib else piece_bytes(tree)
+    if tree > 16 << 20:
+        print(f"stage: the working tree is {tree / 2**20:.1f} MiB and travels with every call; "
+              f"`python benchmarks/lease_tree.py out` first gives {piece_bytes(2 << 20) >> 20} "
+              f"MiB pieces instead of {piece >> 20}")  # fmt: skip
     st = a.stage
     wheels, boot = st / "wheels", st / "boot"
     download(wheels, a.extra)
