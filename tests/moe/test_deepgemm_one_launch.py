@@ -8,7 +8,9 @@ the classes' tiles (`share_grid`). Checked here: the dual kernel compiles only a
 spills nothing and is named for both classes; the shipped series' two kernels are byte-identical
 under the candidate's headers (their bodies became device functions); `share_grid`, cut out of the
 patch and compiled alone, never gives a CTA to a class without tiles nor leaves a class with tiles
-without one. Whether it is faster has not been measured yet (it needs a GPU run).
+without one; the whole schedule (the split, each CTA's first tile, its walk), run on the host with
+a warp of 32 threads, computes every tile of each class exactly once. Whether it is faster has not
+been measured yet (it needs a GPU run).
 """
 
 from __future__ import annotations
@@ -215,6 +217,92 @@ def test_share_grid_gives_every_class_with_tiles_a_cta(cpp_share, hot, cold, cta
     assert abs(nearest - ctas * hw / (hw + cw)) <= 0.5 + 1e-9
     if 1 <= nearest <= ctas - 1 and nearest <= hot and ctas - nearest <= cold:
         assert n == nearest
+
+
+@pytest.fixture(scope="module")
+def dual_schedule(trees, tmp_path_factory):
+    """The candidate's schedulers run as fp8_gemm_kernel_dual runs them, on the host
+    (dual_schedule.cpp: a warp of 32 threads): (split, {class: [(cta, group, m, n), ...]})."""
+    cxx = shutil.which("g++") or shutil.which("c++")
+    if cxx is None:
+        pytest.skip("no C++ compiler")
+    work = tmp_path_factory.mktemp("dual_schedule")
+    exe = work / "dual_schedule"
+    cmd = [cxx, "-std=c++20", "-O1", "-pthread", "-w", f"-I{_include(trees['candidate'])}",
+           str(Path(__file__).with_name("dual_schedule.cpp")), "-o", str(exe)]  # fmt: skip
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+
+    def run(boundary: int, ctas: int, cost: tuple[int, int], rows: list[int]):
+        case = " ".join(map(str, (len(rows), boundary, ctas, *cost, *rows)))
+        out = subprocess.run([str(exe)], input=case + "\n", capture_output=True, text=True,
+                             timeout=60).stdout.split("\n")  # fmt: skip
+        assert out[0].startswith("split "), out[:3]
+        tiles: dict[str, list[tuple[int, ...]]] = {"hot": [], "cold": []}
+        for line in out[1 : out.index("end")]:
+            kind, *nums = line.split()
+            assert kind in tiles, line  # "lanes-disagree CTA": a warp without one answer
+            tiles[kind].append(tuple(map(int, nums)))
+        return int(out[0].split()[1]), tiles
+
+    return run
+
+
+def _expected_tiles(rows: list[int], boundary: int) -> dict[str, set[tuple[int, int, int]]]:
+    """Every tile of V4.1-Flash FC1 (N 4608: 36 blocks of 128 weight rows) each class owns:
+    hot (rows > boundary) 128-row blocks x 36, cold (1..boundary rows) 36 x 16-token blocks."""
+    hot = {(g, m, n) for g, r in enumerate(rows) if r > boundary
+           for m in range(-(-r // 128)) for n in range(36)}  # fmt: skip
+    cold = {(g, m, n) for g, r in enumerate(rows) if 1 <= r <= boundary
+            for m in range(36) for n in range(-(-r // 16))}  # fmt: skip
+    return {"hot": hot, "cold": cold}
+
+
+@st.composite
+def routings(draw):
+    """Rows per expert (the groups' offsets) for the simulated shapes: uniform, a few hot
+    experts, all tokens on one, empty, and one row."""
+    groups, boundary = draw(st.sampled_from([(8, 16), (50, 16), (50, 48), (100, 32)]))
+    kind = draw(st.sampled_from(["uniform", "hot", "one", "empty", "single"]))
+    if kind == "empty":
+        rows = [0] * groups
+    elif kind == "one":
+        rows = [0] * groups
+        rows[draw(st.integers(0, groups - 1))] = draw(st.integers(1, 2048))
+    elif kind == "single":
+        rows = [0] * groups
+        rows[draw(st.integers(0, groups - 1))] = 1
+    else:
+        top = 2 * boundary if kind == "uniform" else 600
+        rows = draw(st.lists(st.integers(0, top), min_size=groups, max_size=groups))
+    # one_launch_fits keeps a one-CTA grid to two launches: both classes need a CTA each
+    ctas = draw(st.sampled_from([2, 3, 40, 78, 132]))
+    cost = (draw(st.integers(1, 20000)), draw(st.integers(1, 20000)))
+    return boundary, ctas, cost, rows
+
+
+@settings(max_examples=120, deadline=None)
+@given(case=routings())
+def test_the_dual_launch_computes_every_tile_of_each_class_once(dual_schedule, case):
+    """The candidate's schedule, run as fp8_gemm_kernel_dual runs it (split_grid, each CTA's
+    first tile by a warp-wide search, then its strided walk with its role's index and count):
+    every tile of each class is computed exactly once, by a CTA of that class, none of another
+    class's experts, and the tiles of a class are dealt evenly over its CTAs."""
+    boundary, ctas, cost, rows = case
+    split, tiles = dual_schedule(boundary, ctas, cost, rows)
+    expected = _expected_tiles(rows, boundary)
+    assert 0 <= split <= ctas
+    if not expected["hot"]:
+        assert split == 0
+    elif not expected["cold"]:
+        assert split == ctas
+    for kind, role in (("hot", range(split)), ("cold", range(split, ctas))):
+        got = [t[1:] for t in tiles[kind]]
+        assert len(got) == len(set(got)) and set(got) == expected[kind], kind
+        per_cta = [sum(t[0] == c for t in tiles[kind]) for c in role]
+        if per_cta:
+            assert max(per_cta) - min(per_cta) <= 1, (kind, per_cta)
+        assert all(t[0] in role for t in tiles[kind])
 
 
 def _row_class_names(planner: Path, shape: pc.MoeShape, sms: int, tokens: int, out: Path):
