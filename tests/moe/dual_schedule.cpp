@@ -1,8 +1,11 @@
-// fp8_gemm_kernel_dual's schedule on the host (tests/moe/test_deepgemm_one_launch.py): the
-// candidate's scheduler.cuh compiled as C++, one std::thread per lane of a warp and the warp
-// intrinsics as barrier exchanges, so the warp-wide code (split_grid, find_first_tile) runs as
-// written. For each case it prints the grid's split, then every tile each CTA's walk visits
-// ("hot|cold CTA GROUP M_BLOCK N_BLOCK"), then "end".
+// The per-expert split's schedule on the host (tests/moe/test_deepgemm_one_launch.py): a series'
+// scheduler.cuh compiled as C++, one std::thread per lane of a warp and the warp intrinsics as
+// barrier exchanges, so the warp-wide code (split_grid, find_first_tile) runs as written. The
+// candidates/one-launch series (default): fp8_gemm_kernel_dual's one launch, its grid split
+// between the classes; -DTWO_LAUNCHES (the shipped series): each class's own launch over the
+// whole grid. For each case it prints the split ("split HOT_CTAS", or "split two" for two
+// launches), then every tile each CTA's walk visits ("hot|cold CTA GROUP M_BLOCK N_BLOCK"), then
+// "end".
 #include <algorithm>
 #include <barrier>
 #include <cstdint>
@@ -79,12 +82,23 @@ void simulate(Case const& c, uint32_t lane, std::vector<std::string>& out) {
   using Cold = GroupedWithOffsetSchedulerSwapAB<N, 128, 16, G, 1, N / 128, 16, 1, B>;
   threadIdx.x = lane;
   int64_t* offsets = const_cast<int64_t*>(c.offsets.data());
+#ifdef TWO_LAUNCHES
+  // the hot class's launch, then the cold class's, each over the whole grid
+  if (lane == 0) out.push_back("split two");
+  gridDim.x = c.ctas;
+  for (uint32_t launch = 0; launch < 2 * c.ctas; ++launch) {
+    bool const hot = launch < c.ctas;
+    uint32_t const idx = launch % c.ctas, count = c.ctas;
+    blockIdx.x = idx;
+    uint32_t const cta = launch;
+#else
   uint32_t const hot_ctas =
       split_grid<G, Hot, Cold>(offsets, c.ctas, DualTileCost{c.hot_cost, c.cold_cost});
   if (lane == 0) out.push_back("split " + std::to_string(hot_ctas));
   for (uint32_t cta = 0; cta < c.ctas; ++cta) {
     bool const hot = cta < hot_ctas;
     uint32_t const idx = hot ? cta : cta - hot_ctas, count = hot ? hot_ctas : c.ctas - hot_ctas;
+#endif
     FirstTile first;
     if (hot) {
       GroupedWithOffsetSchedulerInput in{0, offsets};
@@ -104,7 +118,12 @@ void simulate(Case const& c, uint32_t lane, std::vector<std::string>& out) {
     if (!first.found) continue;
     uint32_t m = 0, n = 0;
     auto walk = [&](auto& s) {
+#ifdef TWO_LAUNCHES
+      (void)count;
+      s.start_at(first);
+#else
       s.start_at(first, idx, count);
+#endif
       while (s.get_next_block(m, n))
         out.push_back(std::string(hot ? "hot " : "cold ") + std::to_string(cta) + " " +
                       std::to_string(s.curr_group_idx) + " " + std::to_string(m) + " " +

@@ -9,7 +9,8 @@ spills nothing and is named for both classes; the shipped series' two kernels ar
 under the candidate's headers (their bodies became device functions); `share_grid`, cut out of the
 patch and compiled alone, never gives a CTA to a class without tiles nor leaves a class with tiles
 without one; the whole schedule (the split, each CTA's first tile, its walk), run on the host with
-a warp of 32 threads, computes every tile of each class exactly once. Whether it is faster has not
+a warp of 32 threads, computes every tile of each class exactly once, as the shipped series' two
+launches do. Whether it is faster has not
 been measured yet (it needs a GPU run).
 """
 
@@ -220,30 +221,36 @@ def test_share_grid_gives_every_class_with_tiles_a_cta(cpp_share, hot, cold, cta
 
 
 @pytest.fixture(scope="module")
-def dual_schedule(trees, tmp_path_factory):
-    """The candidate's schedulers run as fp8_gemm_kernel_dual runs them, on the host
-    (dual_schedule.cpp: a warp of 32 threads): (split, {class: [(cta, group, m, n), ...]})."""
+def schedules(trees, tmp_path_factory):
+    """Each series' schedulers run as its launches run them, on the host (dual_schedule.cpp: a
+    warp of 32 threads): shipped, the two class launches over the whole grid; candidate,
+    fp8_gemm_kernel_dual's one launch. run(series, boundary, ctas, cost, rows) -> (split, tiles):
+    split the candidate's hot CTAs ("two" for the shipped launches), tiles {class: [(cta, group,
+    m, n), ...]} with the shipped cold launch's CTAs numbered after the hot one's."""
     cxx = shutil.which("g++") or shutil.which("c++")
     if cxx is None:
         pytest.skip("no C++ compiler")
     work = tmp_path_factory.mktemp("dual_schedule")
-    exe = work / "dual_schedule"
-    cmd = [cxx, "-std=c++20", "-O1", "-pthread", "-w", f"-I{_include(trees['candidate'])}",
-           str(Path(__file__).with_name("dual_schedule.cpp")), "-o", str(exe)]  # fmt: skip
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stderr[-3000:]
+    src = Path(__file__).with_name("dual_schedule.cpp")
+    exes = {}
+    for series, extra in (("shipped", ["-DTWO_LAUNCHES"]), ("candidate", [])):
+        exes[series] = work / series
+        cmd = [cxx, "-std=c++20", "-O1", "-pthread", "-w", *extra,
+               f"-I{_include(trees[series])}", str(src), "-o", str(exes[series])]  # fmt: skip
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+        assert r.returncode == 0, r.stderr[-3000:]
 
-    def run(boundary: int, ctas: int, cost: tuple[int, int], rows: list[int]):
+    def run(series: str, boundary: int, ctas: int, cost: tuple[int, int], rows: list[int]):
         case = " ".join(map(str, (len(rows), boundary, ctas, *cost, *rows)))
-        out = subprocess.run([str(exe)], input=case + "\n", capture_output=True, text=True,
-                             timeout=60).stdout.split("\n")  # fmt: skip
+        out = subprocess.run([str(exes[series])], input=case + "\n", capture_output=True,
+                             text=True, timeout=60).stdout.split("\n")  # fmt: skip
         assert out[0].startswith("split "), out[:3]
         tiles: dict[str, list[tuple[int, ...]]] = {"hot": [], "cold": []}
         for line in out[1 : out.index("end")]:
             kind, *nums = line.split()
             assert kind in tiles, line  # "lanes-disagree CTA": a warp without one answer
             tiles[kind].append(tuple(map(int, nums)))
-        return int(out[0].split()[1]), tiles
+        return out[0].split()[1], tiles
 
     return run
 
@@ -281,22 +288,30 @@ def routings(draw):
     return boundary, ctas, cost, rows
 
 
-@settings(max_examples=120, deadline=None)
+@pytest.mark.parametrize("series", ["shipped", "candidate"])
+@settings(max_examples=60, deadline=None)
 @given(case=routings())
-def test_the_dual_launch_computes_every_tile_of_each_class_once(dual_schedule, case):
-    """The candidate's schedule, run as fp8_gemm_kernel_dual runs it (split_grid, each CTA's
-    first tile by a warp-wide search, then its strided walk with its role's index and count):
+def test_every_tile_of_each_class_is_computed_once(schedules, series, case):
+    """Each series' schedule, run as its kernels run it (each CTA's first tile by a warp-wide
+    search, then its strided walk; the candidate's grid split by split_grid and each CTA walking
+    with its role's index and count, the shipped series' two launches each over the whole grid):
     every tile of each class is computed exactly once, by a CTA of that class, none of another
     class's experts, and the tiles of a class are dealt evenly over its CTAs."""
     boundary, ctas, cost, rows = case
-    split, tiles = dual_schedule(boundary, ctas, cost, rows)
+    split, tiles = schedules(series, boundary, ctas, cost, rows)
     expected = _expected_tiles(rows, boundary)
-    assert 0 <= split <= ctas
-    if not expected["hot"]:
-        assert split == 0
-    elif not expected["cold"]:
-        assert split == ctas
-    for kind, role in (("hot", range(split)), ("cold", range(split, ctas))):
+    if series == "shipped":
+        assert split == "two"
+        roles = {"hot": range(ctas), "cold": range(ctas, 2 * ctas)}
+    else:
+        hot_ctas = int(split)
+        assert 0 <= hot_ctas <= ctas
+        if not expected["hot"]:
+            assert hot_ctas == 0
+        elif not expected["cold"]:
+            assert hot_ctas == ctas
+        roles = {"hot": range(hot_ctas), "cold": range(hot_ctas, ctas)}
+    for kind, role in roles.items():
         got = [t[1:] for t in tiles[kind]]
         assert len(got) == len(set(got)) and set(got) == expected[kind], kind
         per_cta = [sum(t[0] == c for t in tiles[kind]) for c in role]
