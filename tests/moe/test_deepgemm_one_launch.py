@@ -320,6 +320,58 @@ def test_every_tile_of_each_class_is_computed_once(schedules, series, case):
         assert all(t[0] in role for t in tiles[kind])
 
 
+FI_TEST = "tests/moe/test_fp8_blockscale_moe_expected_m.py"
+# FlashInfer's test cases (the patched test file's parameters): (tokens, experts, top_k, ep_size).
+FI_CASES = [(256, 256, 8, 8), (128, 64, 4, 1), (4096, 64, 8, 8), (512, 64, 4, 1),
+            *((t, 64, 4, 1) for t in (32, 64, 128, 300))]  # fmt: skip
+
+
+def _flashinfer_test(series: str, version: str, work: Path):
+    """The FlashInfer test file as the series leaves it (its patches' hunks for that file, applied
+    with `git apply` in order), imported, with the SM count it reads from the GPU settable."""
+    import importlib.util
+
+    work.mkdir(parents=True)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv(overlay.SERIES_ENV, "" if series == "shipped" else SERIES)
+        folder = overlay.series_dir(version)
+    for patch in sorted(folder.glob("*.patch")):
+        r = subprocess.run(["git", "apply", f"--include={FI_TEST}", str(patch)], cwd=work,
+                           capture_output=True, text=True)  # fmt: skip
+        assert r.returncode == 0, (patch.name, r.stderr)
+    spec = importlib.util.spec_from_file_location(f"fi_expected_m_{series}", work / FI_TEST)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.mark.parametrize("series", ["shipped", "candidate"])
+def test_flashinfer_s_test_expects_the_kernels_the_dispatch_plans(
+    trees, installed_fi, series, tmp_path, monkeypatch
+):
+    """The series' FlashInfer test (run on a GPU: it reads which kernels DeepGEMM compiled) checks
+    them against its own mirror of the dispatch (`_plan`, `_expect_kernels`). Here that check
+    meets the kernels the patched dispatch's host code itself names for the same cases
+    (`kernels precompile`'s planner, compiled from the series' headers), on 132 and 78 SMs: a
+    mirror that disagrees with the dispatch fails here, not on a lent GPU."""
+    pytest.importorskip("torch")
+    mod = _flashinfer_test(series, installed_fi.version, tmp_path / "fi")
+    planner = pc.build_planner(trees[series], installed_fi.root, tmp_path / "planner")
+    for sms in (132, 78):
+        monkeypatch.setattr(mod, "_num_sms", lambda sms=sms: sms)
+        for tokens, experts, top_k, ep in FI_CASES:
+            shape = pc.MoeShape(hidden=mod.HIDDEN_SIZE, inter=mod.INTERMEDIATE_SIZE,
+                                experts=experts, top_k=top_k, ep_size=ep)  # fmt: skip
+            out = tmp_path / f"k{sms}-{tokens}-{experts}-{ep}"
+            names = [k.name for k in pc.plan_kernels(planner, shape, sms, tokens, out, tokens)]
+            expected_m = mod._expected_m(tokens, top_k, experts)
+            try:
+                mod._expect_kernels(names, tokens, expected_m, shape.groups)
+            except AssertionError as e:
+                raise AssertionError(f"{series}, {sms} SMs, {tokens} tokens, {experts} experts "
+                                     f"top-{top_k} EP{ep}: {e}") from None  # fmt: skip
+
+
 def _row_class_names(planner: Path, shape: pc.MoeShape, sms: int, tokens: int, out: Path):
     """Per step of 1..tokens tokens, the kernels a planner names (one step at a time)."""
     return {t: [k.name for k in pc.plan_kernels(planner, shape, sms, t, out, t)]
