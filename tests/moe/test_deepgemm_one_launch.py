@@ -10,8 +10,8 @@ under the candidate's headers (their bodies became device functions); `share_gri
 patch and compiled alone, never gives a CTA to a class without tiles nor leaves a class with tiles
 without one; the whole schedule (the split, each CTA's first tile, its walk), run on the host with
 a warp of 32 threads, computes every tile of each class exactly once, as the shipped series' two
-launches do. Whether it is faster has not
-been measured yet (it needs a GPU run).
+launches do; and each series' FlashInfer test expects exactly the kernels its dispatch names.
+Whether it is faster has not been measured yet (it needs a GPU run).
 """
 
 from __future__ import annotations
