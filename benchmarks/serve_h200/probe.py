@@ -18,6 +18,7 @@ import base64
 import gzip
 import io
 import json
+import re
 import sys
 import time
 import urllib.request
@@ -226,6 +227,59 @@ def _busy_us(trace: Path) -> float:
     return busy
 
 
+def template_args(name: str, kernel: str) -> list[str] | None:
+    """The top-level template arguments of `kernel<...>` in a demangled kernel name, or None."""
+    at = re.search(rf"(?<!\w){re.escape(kernel)}<", name)
+    if at is None:
+        return None
+    depth, start, args = 0, at.end(), []
+    for j in range(start, len(name)):
+        if name[j] == "<":
+            depth += 1
+        elif name[j] == ">" and depth:
+            depth -= 1
+        elif name[j] in ",>" and depth == 0:
+            args.append(name[start:j].strip())
+            if name[j] == ">":
+                return args
+            start = j + 1
+    return None
+
+
+def _bits(element: str) -> int | None:
+    """Bits of one of Humming's element types (FloatingPointType<bits, exp, mant>,
+    IntegerType<signed, bits>, as the demangler prints them)."""
+    nums = [int(x) for x in re.findall(r"\d+", element)]
+    if element.startswith("FloatingPointType") and nums:
+        return nums[0]
+    if element.startswith("IntegerType") and nums:
+        return nums[-1]
+    return None
+
+
+def humming_precision(kernels: list[dict]) -> dict | None:
+    """What Humming's MoE GEMMs ran at, from a profile's kernel names: its one templated kernel,
+    `humming<MmaOpClass, ProblemShape, BlockShape, WarpShape, PadShape, ElementA, ElementB, ...>`
+    (humming-kernels 0.1.10, include/humming/kernel/humming.cuh), keeps the activation (A) and
+    weight (B) types in its name; W4A8 also runs Triton's `_quant_tensor_kernel` on each step's
+    activations. None when no Humming GEMM ran. vLLM logs no line naming the activation type,
+    and once dropped its input-quant setting silently (vLLM #51661): this is the evidence."""
+    calls: dict[str, int] = {}
+    quant = 0
+    for k in kernels:
+        args = template_args(k["name"], "humming")
+        if args is not None and len(args) >= 7:
+            w, a = _bits(args[6]), _bits(args[5])
+            key = f"W{w}A{a}" if w and a else f"{args[6]} x {args[5]}"
+            calls[key] = calls.get(key, 0) + int(k["calls"])
+        elif "_quant_tensor_kernel" in k["name"]:
+            quant += int(k["calls"])
+    if not calls:
+        return None
+    return {"gemm_calls": calls, "activation_quant_calls": quant,
+            "precision": "+".join(sorted(calls))}  # fmt: skip
+
+
 def cmd_profile(a) -> None:
     ((name, port),) = _servers(a.servers)
     trace_dir = Path(a.trace_dir)
@@ -273,6 +327,11 @@ def cmd_profile(a) -> None:
         "gpu_busy_us": _busy_us(trace),
         "kernels": ks,
     }
+    humming = humming_precision(ks)
+    if humming:
+        out["humming"] = humming
+        print(f"{name}: Humming's MoE GEMMs ran {humming['precision']} ({humming['gemm_calls']}; "
+              f"activation quantization {humming['activation_quant_calls']} calls)")  # fmt: skip
     Path(a.out, f"profile_{name}.json").write_text(json.dumps(out, indent=1))
     print(f"{name}: {trace.name}, {len(ks)} kernels, {total / 1e3:.1f} ms of GPU kernel time, "
           f"GPU busy {out['gpu_busy_us'] / 1e3:.1f} ms")  # fmt: skip

@@ -676,6 +676,57 @@ def test_steptime_measures_the_prefill_alone_when_given_no_decode_batch(tmp_path
         steptime.main(["--out", str(tmp_path / "none"), "--batch", "--prefill-batch", "0", "a=1"])
 
 
+HUMMING_KERNEL = r"""
+#include <cstdint>
+template <bool kIsSigned_, uint32_t kNumBits_> class IntegerType {};
+template <uint32_t kNumBits_, uint32_t kExponentBits_, uint32_t kMantissaBits_>
+class FloatingPointType {};
+template <uint32_t M, uint32_t N, uint32_t K> class Shape {};
+class MmaOpClass {}; class LayerConfig {}; class ComputeConfig {}; class TuningConfig {};
+// humming-kernels 0.1.10's GEMM template (include/humming/kernel/humming.cuh), body left out
+template <class MmaOpClass_, class ProblemShape, class BlockShape, class WarpShape, class PadShape,
+          class ElementA, class ElementB, class ElementC, class ElementBS, class LayerConfig_,
+          class ComputeConfig_, class TuningConfig_>
+__global__ void humming(uint32_t const* GS, uint32_t shape_m) {}
+#define HUMMING(A) template __global__ void humming<MmaOpClass, Shape<1, 4608, 5120>, \
+    Shape<64, 128, 128>, Shape<64, 32, 128>, Shape<0, 0, 0>, A, FloatingPointType<4, 2, 1>, \
+    FloatingPointType<16, 8, 7>, FloatingPointType<8, 8, 0>, LayerConfig, ComputeConfig, \
+    TuningConfig>(uint32_t const*, uint32_t);
+using E4M3 = FloatingPointType<8, 4, 3>;
+using BF16 = FloatingPointType<16, 8, 7>;
+HUMMING(E4M3)
+HUMMING(BF16)
+"""
+
+
+def test_profile_names_the_precision_humming_ran_at(tmp_path):
+    """Issue 2/4's W4A8 proof reads Humming's GEMM kernel names in a profile: names made here by
+    nvcc from Humming's kernel template (MXFP4 weights, FP8 or BF16 activations) and demangled,
+    as a profile shows them, give W4A8 and W4A16; no Humming kernel, no verdict."""
+    import shutil
+
+    nvcc, nm, filt = (shutil.which(t) for t in ("nvcc", "nm", "c++filt"))
+    if not (nvcc and nm and filt):
+        pytest.skip("needs nvcc, nm and c++filt")
+    (tmp_path / "k.cu").write_text(HUMMING_KERNEL)
+    cubin = tmp_path / "k.cubin"
+    subprocess.run([nvcc, "-arch=sm_90a", "-cubin", str(tmp_path / "k.cu"), "-o", str(cubin)],
+                   check=True, capture_output=True, timeout=300)  # fmt: skip
+    symbols = subprocess.run([nm, str(cubin)], check=True, capture_output=True, text=True).stdout
+    mangled = [ln.split()[-1] for ln in symbols.splitlines() if "humming" in ln]
+    names = subprocess.run([filt], input="\n".join(mangled), check=True, capture_output=True,
+                           text=True).stdout.splitlines()  # fmt: skip
+    w4a8 = next(n for n in names if "FloatingPointType<8u, 4u, 3u>" in n)
+    w4a16 = next(n for n in names if n != w4a8)
+    quant = {"name": "_quant_tensor_kernel", "calls": 40}
+    other = {"name": "void flashinfer::norm::RMSNormKernel<8u, __nv_bfloat16>()", "calls": 5}
+    got = probe.humming_precision([{"name": w4a8, "calls": 80}, quant, other])
+    assert got == {"gemm_calls": {"W4A8": 80}, "activation_quant_calls": 40, "precision": "W4A8"}
+    got = probe.humming_precision([{"name": w4a16, "calls": 80}, other])
+    assert got["precision"] == "W4A16" and got["activation_quant_calls"] == 0
+    assert probe.humming_precision([other]) is None
+
+
 def test_h20_projection_rebuilds_from_committed_files():
     """The published projection is what h20_projection.py renders from the committed kernel
     run and round-4 profile (nothing typed in), and it projects the fix ahead of stock."""
