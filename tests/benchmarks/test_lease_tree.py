@@ -42,7 +42,8 @@ def repo(tmp_path: Path) -> Path:
 
 def snapshot(repo: Path) -> dict[str, bytes]:
     return {str(p.relative_to(repo)): p.read_bytes()
-            for p in (repo / "benchmarks").rglob("*") if p.is_file()}  # fmt: skip
+            for d in ("benchmarks", "vllm_h20") for p in (repo / d).rglob("*")
+            if p.is_file()}  # fmt: skip
 
 
 def test_out_and_back_round_trip(repo: Path):
@@ -59,9 +60,13 @@ def test_out_and_back_round_trip(repo: Path):
     assert git(repo, "ls-files", "--others", "--exclude-standard").stdout == ""
     small = lease(repo, "size")
     assert "(results out)" in small.stdout and "0.0 MiB" in small.stdout, small.stdout
-    # a commit now would delete every result: the hook refuses it
+    # a commit now would delete every result: the hook refuses it; one of other files goes in
     refused = git(repo, "commit", "-qm", "oops", check=False)
     assert refused.returncode != 0 and "lease_tree.py back" in refused.stderr
+    (repo / "vllm_h20" / "cli.py").write_text("print('lease')\n")
+    git(repo, "commit", "-qm", "meanwhile", "--", "vllm_h20/cli.py")
+    assert git(repo, "ls-tree", "-r", "--name-only", "HEAD", "benchmarks").stdout.count("\n") == 2
+    before["vllm_h20/cli.py"] = b"print('lease')\n"
     assert lease(repo, "out").returncode == 2  # already out
 
     back = lease(repo, "back")
