@@ -29,6 +29,7 @@ from tests.moe import deepgemm_kernels as dk
 from tests.moe.test_deepgemm_row_class import GEN as SHIPPED_GEN
 from vllm_h20.moe import overlay
 from vllm_h20.moe import precompile as pc
+from vllm_h20.moe.patchfile import apply_file
 
 SERIES = "candidates/one-launch"
 # DeepSeek-V4.1-Flash FC1 (N 4608, K 5120) on one EP8 rank (50 experts), split at 16 rows: the
@@ -327,19 +328,21 @@ FI_CASES = [(256, 256, 8, 8), (128, 64, 4, 1), (4096, 64, 8, 8), (512, 64, 4, 1)
 
 
 def _flashinfer_test(series: str, version: str, work: Path):
-    """The FlashInfer test file as the series leaves it (its patches' hunks for that file, applied
-    with `git apply` in order), imported, with the SM count it reads from the GPU settable."""
+    """The FlashInfer test file as the series leaves it (its patches' hunks for that file,
+    applied in order as fused_moe/stage.py stages it), imported, with the SM count it reads from
+    the GPU settable."""
     import importlib.util
 
+    text = None
+    for patch in _series_patches(version, "" if series == "shipped" else SERIES):
+        for diff in patch.files:
+            if diff.path == FI_TEST:
+                text = apply_file(diff, text)
+    assert text, f"{series}: no patch writes {FI_TEST}"
     work.mkdir(parents=True)
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv(overlay.SERIES_ENV, "" if series == "shipped" else SERIES)
-        folder = overlay.series_dir(version)
-    for patch in sorted(folder.glob("*.patch")):
-        r = subprocess.run(["git", "apply", f"--include={FI_TEST}", str(patch)], cwd=work,
-                           capture_output=True, text=True)  # fmt: skip
-        assert r.returncode == 0, (patch.name, r.stderr)
-    spec = importlib.util.spec_from_file_location(f"fi_expected_m_{series}", work / FI_TEST)
+    (work / "test_expected_m.py").write_text(text)
+    spec = importlib.util.spec_from_file_location(f"fi_expected_m_{series}",
+                                                  work / "test_expected_m.py")  # fmt: skip
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
