@@ -212,15 +212,22 @@ def fit_router_bias(loads: np.ndarray, top_k: int, tokens: int = 8192, iters: in
     return bias
 
 
+def shard_tensors(cfg: dict, i: int) -> list[tuple[str, tuple[int, ...], str]]:
+    """Shard i's tensors: layer i's, and in the last shard the embeddings, head and final norm."""
+    if i < cfg["num_hidden_layers"] - 1:
+        return layer_tensors(cfg, i)
+    vocab, h = cfg["vocab_size"], cfg["hidden_size"]
+    return layer_tensors(cfg, i) + [("model.embed_tokens", (vocab, h), "embed"),
+                                    ("lm_head", (vocab, h), "router"),
+                                    ("model.norm", (h,), "norm")]  # fmt: skip
+
+
 def checkpoint_bytes(cfg: dict) -> int:
     """Tensor bytes of the checkpoint write_weights writes (safetensors headers aside): what the
     disk must hold, checked before the first shard (the GPU machine's disk is 64 GiB)."""
-    vocab, h = cfg["vocab_size"], cfg["hidden_size"]
-    extra = [("embed", (vocab, h), "embed"), ("head", (vocab, h), "router"), ("norm", (h,), "norm")]
     total = 0
     for i in range(cfg["num_hidden_layers"]):
-        for _, shape, kind in layer_tensors(cfg, i) + (extra if i == cfg["num_hidden_layers"] - 1
-                                                       else []):  # fmt: skip
+        for _, shape, kind in shard_tensors(cfg, i):
             n = int(np.prod(shape))
             if kind == "fp8":
                 total += n + 4 * (-(-shape[0] // BLOCK)) * (-(-shape[1] // BLOCK))
@@ -284,13 +291,8 @@ def write_weights(out: Path, cfg: dict, device: str = "cpu", seed: int = 0) -> i
     for i in range(n):
         shard = f"model-{i + 1:05d}-of-{n:05d}.safetensors"
         tensors: dict = {}
-        for name, shape, kind in layer_tensors(cfg, i):
+        for name, shape, kind in shard_tensors(cfg, i):
             tensors.update(_materialize(name, shape, kind, gen, device, cfg, i))
-        if i == n - 1:
-            vocab, h = cfg["vocab_size"], cfg["hidden_size"]
-            tensors.update(_materialize("model.embed_tokens", (vocab, h), "embed", gen, device))
-            tensors.update(_materialize("lm_head", (vocab, h), "router", gen, device))
-            tensors.update(_materialize("model.norm", (h,), "norm", gen, device))
         tmp = out / (shard + ".partial")
         save_file(tensors, str(tmp), metadata={"format": "pt"})
         tmp.rename(out / shard)
