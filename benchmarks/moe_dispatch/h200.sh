@@ -1,13 +1,17 @@
 #!/usr/bin/env bash
 # The dispatch evidence on one lent H200, as a few device calls of one machine hold. State lives
-# in /tmp/moe-session (the repository copy a call runs in is replaced by the next call's):
+# in /tmp/moe-session, or $MOE_SESSION (the repository copy a call runs in is replaced by the
+# next call's):
 #
 #   benchmarks/moe_dispatch/h200.sh smoke   # copy the repo, build, a few cases of each kind (~3 min);
 #                                           # on success start `full` in the background (setsid)
 #   benchmarks/moe_dispatch/h200.sh start   # copy the repo and start `full` without the smoke
 #   benchmarks/moe_dispatch/h200.sh full    # kernel-level A/B (every routing x token count),
 #                                           # H20 emulations, a re-run of the concentrated
-#                                           # routings, fused op (A/B + FlashInfer's tests)
+#                                           # routings, fused op (A/B + FlashInfer's tests);
+#                                           # STEPS="fused stock_tests" runs only those; exits
+#                                           # non-zero when a step failed (session log: each
+#                                           # step's exit status)
 #   benchmarks/moe_dispatch/h200.sh wait S  # follow the background run for up to S seconds
 #   benchmarks/moe_dispatch/h200.sh collect OUT   # what exists so far, as <= 8 files, into OUT
 #
@@ -18,7 +22,7 @@
 # run with the same VLLM_H20_PATCH_SERIES so that the series' own test is staged).
 set -uo pipefail
 step=${1:?smoke|start|full|wait|collect}
-S=/tmp/moe-session
+S=${MOE_SESSION:-/tmp/moe-session}
 export PYTHONUNBUFFERED=1
 mkdir -p "$S/out"
 
@@ -66,29 +70,61 @@ start)
 full)
     cd "$S/repo" || exit 1
     # Timed work first (nothing else on the GPU meanwhile), FlashInfer's tests (compile-bound)
-    # last; every step writes its files as it goes and has a time limit.
-    echo "[$(date +%T)] kernel-level A/B"
-    timeout 900 "${RUN[@]}" --out "$S/out/kernel" > "$S/out/kernel.log" 2>&1
-    echo "[$(date +%T)] kernel-level A/B: exit $?"
-    echo "[$(date +%T)] H20 emulations"
-    timeout 600 "${RUN[@]}" --out "$S/out/emulated" --no-main --no-calibration --emulate "${EMULATE:-all}" \
-        > "$S/out/emulated.log" 2>&1
-    echo "[$(date +%T)] H20 emulations: exit $?"
-    echo "[$(date +%T)] kernel-level A/B again, concentrated routings (the bar's re-run)"
-    timeout 600 "${RUN[@]}" --out "$S/out/kernel-rerun" --no-calibration \
-        --routings "${RERUN_ROUTINGS:-same_rank,same_spread,pool8,pool16,zipf2,zipf,hot}" \
-        > "$S/out/kernel-rerun.log" 2>&1
-    echo "[$(date +%T)] kernel-level A/B again: exit $?"
-    echo "[$(date +%T)] fused op: build, A/B, FlashInfer's tests on the fix module"
+    # last; every step writes its files as it goes and has a time limit. STEPS picks some of
+    # them (default: all, in this order), e.g. STEPS="fused stock_tests" after a lease that ran
+    # out before them.
+    for name in ${STEPS:-}; do
+        case " kernel emulated rerun fused stock_tests " in
+        *" $name "*) ;;
+        *)
+            echo "h200.sh full: unknown step '$name' in STEPS (kernel emulated rerun fused stock_tests)" >&2
+            exit 2
+            ;;
+        esac
+    done
+    failed=0
+    # One step: its start, then its exit status taken before anything else runs.
+    run_step() {
+        local name=$1 label=$2
+        case " ${STEPS:-kernel emulated rerun fused stock_tests} " in
+        *" $name "*) ;;
+        *) return 0 ;;
+        esac
+        echo "[$(date +%T)] $label"
+        "run_$name"
+        local rc=$?
+        echo "[$(date +%T)] $label: exit $rc"
+        [ "$rc" -eq 0 ] || failed=$((failed + 1))
+    }
+    run_kernel() { timeout 900 "${RUN[@]}" --out "$S/out/kernel" > "$S/out/kernel.log" 2>&1; }
+    run_emulated() {
+        timeout 600 "${RUN[@]}" --out "$S/out/emulated" --no-main --no-calibration \
+            --emulate "${EMULATE:-all}" > "$S/out/emulated.log" 2>&1
+    }
+    run_rerun() {
+        timeout 600 "${RUN[@]}" --out "$S/out/kernel-rerun" --no-calibration \
+            --routings "${RERUN_ROUTINGS:-same_rank,same_spread,pool8,pool16,zipf2,zipf,hot}" \
+            > "$S/out/kernel-rerun.log" 2>&1
+    }
     fused() { timeout "$1" bash benchmarks/fused_moe/h200.sh "$2" "$S/out/fused"; }
-    { fused 600 build && fused 600 bench && MODES=per_expert fused "${TEST_LIMIT:-900}" test; } \
-        > "$S/out/fused.log" 2>&1
-    echo "[$(date +%T)] fused op: exit $?"
-    echo "[$(date +%T)] the patch's test on the stock module (it must fail there)"
-    MODES=stock fused 600 test > "$S/out/fused-stock-tests.log" 2>&1
-    echo "[$(date +%T)] stock-module tests: exit $?"
+    # FlashInfer's tests run whenever the module built: the A/B's own check failing (its fp32
+    # reference, both modules alike) says nothing about them.
+    run_fused() {
+        fused 600 build || return
+        local rc=0
+        fused 600 bench || rc=$?
+        MODES=per_expert fused "${TEST_LIMIT:-900}" test || rc=$?
+        return "$rc"
+    } > "$S/out/fused.log" 2>&1
+    run_stock_tests() { MODES=stock fused 600 test > "$S/out/fused-stock-tests.log" 2>&1; }
+    run_step kernel "kernel-level A/B"
+    run_step emulated "H20 emulations"
+    run_step rerun "kernel-level A/B again, concentrated routings (the bar's re-run)"
+    run_step fused "fused op: build, A/B, FlashInfer's tests on the fix module"
+    run_step stock_tests "the patch's test on the stock module (it must fail there)"
     clocks end
-    echo "[$(date +%T)] done"
+    echo "[$(date +%T)] done ($failed failed)"
+    [ "$failed" -eq 0 ]
     ;;
 wait)
     limit=${2:-500}

@@ -5,6 +5,7 @@ report being rendered from its own data."""
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -82,6 +83,55 @@ def test_run_refuses_unknown_routings_and_emulations_in_one_line(tmp_path, args,
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert r.returncode == 1 and msg in r.stderr, r.stderr
     assert len(r.stderr.strip().splitlines()) == 1 and "Traceback" not in r.stderr
+
+
+def test_run_without_the_flashinfer_sources_says_how_to_make_them(tmp_path):
+    cmd = [sys.executable, str(HERE / "run.py"), "--flashinfer", str(tmp_path / "none.tar.xz"),
+           "--out", str(tmp_path / "out"), "--work", str(tmp_path / "work")]  # fmt: skip
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
+    assert r.stderr.strip() == (
+        f"run.py: no FlashInfer sources at {tmp_path / 'none.tar.xz'}: make them with "
+        "`python benchmarks/moe_dispatch/fetch_sources.py` (and carry .fi)"
+    )
+
+
+def _full(tmp_path: Path, steps: str) -> subprocess.CompletedProcess:
+    """`h200.sh full` in a session whose repository copy lacks .fi (as a lease without it in
+    `carry` would), so that every step's run.py fails at once, on this machine."""
+    session = tmp_path / "session"
+    (session / "repo").mkdir(parents=True)
+    for name in ("benchmarks", "vllm_h20", "patches"):
+        (session / "repo" / name).symlink_to(ROOT / name)
+    env = {**os.environ, "MOE_SESSION": str(session), "STEPS": steps}
+    return subprocess.run(["bash", str(HERE / "h200.sh"), "full"], capture_output=True,
+                          text=True, timeout=300, env=env)  # fmt: skip
+
+
+def test_full_logs_each_step_s_own_exit_status(tmp_path):
+    """The session log's "exit N" is the step's status: it was always 0 until 2026-12-05, `$?`
+    being read after the `$(date)` of the same line. A failed step leaves the others running and
+    the whole run failing; STEPS picks the steps."""
+    r = _full(tmp_path, "kernel rerun")
+    lines = [re.sub(r"^\[[0-9:]+\] ", "", line) for line in r.stdout.splitlines()]
+    assert lines == [
+        "kernel-level A/B",
+        "kernel-level A/B: exit 1",
+        "kernel-level A/B again, concentrated routings (the bar's re-run)",
+        "kernel-level A/B again, concentrated routings (the bar's re-run): exit 1",
+        "done (2 failed)",
+    ], r.stdout
+    assert r.returncode == 1
+    log = (tmp_path / "session" / "out" / "kernel.log").read_text()
+    assert "run.py: no FlashInfer sources at .fi/flashinfer-0.7.2.post1-src.tar.xz" in log
+
+
+def test_full_refuses_an_unknown_step_before_running_any(tmp_path):
+    r = _full(tmp_path, "kernel fussed")
+    assert r.returncode == 2 and r.stdout == ""
+    assert r.stderr.strip() == (
+        "h200.sh full: unknown step 'fussed' in STEPS (kernel emulated rerun fused stock_tests)"
+    )
 
 
 def test_eplb_routing_is_skewed_like_what_eplb_leaves():
@@ -185,24 +235,36 @@ def test_hot_first_run_readme_is_rendered_from_its_files(tmp_path):
     assert "hot-first's rule (mode 8)" in tables and "swap_ab_second" in tables
 
 
-def test_a_one_launch_run_renders_with_the_shipped_plan_as_prev(tmp_path):
-    """candidates/one-launch has not run on a GPU yet: the hot-first run's files, relabelled as
-    a one-launch run (their numbers are not one-launch measurements), check the report's shape:
-    columns named for the candidate, and the model comparing it with the shipped hot-first plan
-    (its `prev`) instead of the plan shipped until 2026-12-03, the cold class's c0 fitted."""
-    src = RESULTS / "moe_dispatch" / "hot-first-h200"
-    dst = tmp_path / "src"
-    shutil.copytree(src, dst)
-    for name in ("kernel_h200.json", "emulated_h200.json"):
-        doc = json.loads((dst / name).read_text())
-        doc["series"], doc["series_kind"] = "candidates/one-launch", "one_launch"
-        (dst / name).write_text(json.dumps(doc))
-    text = _rerendered(dst, tmp_path)
+def test_one_launch_run_readme_is_rendered_from_its_files(tmp_path):
+    """benchmarks/results/moe_dispatch/one-launch-h100/README.md (the candidate measured on an
+    H100, files named for it): the notes, then the tables from the folder's files, the columns
+    named for the candidate, the model comparing it with the shipped hot-first plan (its `prev`)
+    and carrying the H100's fused-op overhead to H20 by the H100's bandwidth."""
+    src = RESULTS / "moe_dispatch" / "one-launch-h100"
+    text = _rerendered(src, tmp_path)
+    assert text == (src / "README.md").read_text()
+    assert text.startswith((src / "NOTES.md").read_text())
     tables = text.split("## Summary", 1)[1]
     assert "one launch (candidate)" in tables and "hot-first (candidate)" not in tables
     assert "| swap_ab_in_one_launch |" in tables
     assert "| average-only | shipped hot-first | one launch |" in tables
     assert "previous per-expert" not in tables
+    assert "on the H100 (fused stock minus" in tables and "3.35 / 4.0 TB/s" in tables
+    rendered = text[len((src / "NOTES.md").read_text()) :]
+    assert rendered.startswith("# Concentrated routing on one H100: ")
+    assert "(kernel_h100.json, kernel_h100.log)" in rendered and "H200" not in rendered
+
+
+def test_run_folder_without_one_kernel_file_is_refused_in_one_line(tmp_path):
+    (tmp_path / "kernel_h200.json").write_text("{}")
+    (tmp_path / "kernel_h100.json").write_text("{}")
+    cmd = [sys.executable, str(HERE / "report_run.py"), str(tmp_path), "--no-plot"]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 1 and "Traceback" not in r.stderr
+    assert r.stderr.strip() == (
+        f"{tmp_path}: expected one kernel_<gpu>.json (gpu: h200, h100), found "
+        "kernel_h100.json, kernel_h200.json"
+    )
 
 
 def _compare(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
