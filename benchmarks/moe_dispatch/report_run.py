@@ -3,10 +3,11 @@
     python benchmarks/moe_dispatch/report_run.py \
         benchmarks/results/moe_dispatch/concentrated-routing-h200
 
-Reads what `h200.sh collect` brought back and was renamed into the folder: kernel_h200.json
-(run.py: the A/B at 132 SMs and the forced-kernel sweep), and where present emulated_h200.json
-(run.py --emulate), explore_*_h200.json (run.py --explore), fused_h200.json with
-fused_tests_*.log (benchmarks/fused_moe). Every number in the README comes from those files or
+Reads what `h200.sh collect` brought back and was renamed into the folder, each file named for
+the GPU it ran on (<dev>: h200, h100): kernel_<dev>.json (run.py: the A/B at 132 SMs and the
+forced-kernel sweep), and where present emulated_<dev>.json (run.py --emulate),
+explore_*_<dev>.json (run.py --explore), fused_<dev>.json with fused_tests_*.log
+(benchmarks/fused_moe). Every number in the README comes from those files or
 from the model fitted on them (model.py). CPU only (numpy, matplotlib)."""
 
 from __future__ import annotations
@@ -101,8 +102,22 @@ SEED = (
     ("uniform", 2048, None, 2.65),
 )
 H20_SMS = 78
-# H20 datasheet memory bandwidth over H200's, for the fused op's other kernels (memory-bound).
-H20_OVER_H200_BW = 4.0 / 4.8
+# Datasheet memory bandwidth (TB/s) of the GPUs a run can come from and of H20: the fused op's
+# other kernels (memory-bound) are carried to H20 in this ratio.
+HBM_TBPS = {"h200": 4.8, "h100": 3.35}
+H20_TBPS = 4.0
+H20_OVER_H200_BW = H20_TBPS / HBM_TBPS["h200"]
+
+
+def tag_of(folder: Path) -> str:
+    """The GPU a run folder's files are named for (kernel_<tag>.json): h200 or h100."""
+    found = sorted(folder.glob("kernel_*.json"))
+    tags = [f.stem.removeprefix("kernel_") for f in found]
+    if len(tags) != 1 or tags[0] not in HBM_TBPS:
+        names = ", ".join(f.name for f in found) or "none"
+        raise SystemExit(f"{folder}: expected one kernel_<gpu>.json (gpu: "
+                         f"{', '.join(HBM_TBPS)}), found {names}")  # fmt: skip
+    return tags[0]
 
 
 def gm(xs) -> float:
@@ -326,7 +341,7 @@ def explore_section(path: Path) -> list[str]:
 
 def fused_section(folder: Path, cand: dict) -> list[str]:
     """The fused-op A/B and FlashInfer's tests of the run's candidate module (cand: CANDIDATES)."""
-    f = folder / "fused_h200.json"
+    f = folder / f"fused_{tag_of(folder)}.json"
     if not f.exists():
         return []
     res = json.loads(f.read_text())
@@ -378,10 +393,10 @@ def fused_section(folder: Path, cand: dict) -> list[str]:
 # ----------------------------------------------------------------------------- model
 
 
-def fit_h200(res: dict) -> tuple[dict, int]:
-    """The model's kernel fits on the 132-SM run: regular and swap-A/B from the single-launch
-    versions (stock, average-only) and the forced sweep; for the fitted-tile candidate, fitted
-    from its runs (its launches are single too)."""
+def fit_run(res: dict) -> tuple[dict, int]:
+    """The model's kernel fits on a 132-SM run (H200 or H100): regular and swap-A/B from the
+    single-launch versions (stock, average-only) and the forced sweep; for the fitted-tile
+    candidate, fitted from its runs (its launches are single too)."""
     sms = res["device"]["sms"]
     fitted = kind_of(res) == "fitted"
     samples: dict[str, list] = {"regular": [], "swap_ab": [], "fitted": []}
@@ -425,22 +440,23 @@ def fit_h200(res: dict) -> tuple[dict, int]:
 
 
 def carried_to_h20(res: dict, folder: Path, fits: dict) -> tuple[float, float, float, float, dict]:
-    """The H200 fits carried to H20 and calibrated to the seed: the fused op's other kernels
+    """The run's fits carried to H20 and calibrated to the seed: the fused op's other kernels
     (permute, SwiGLU + requantization, finalize: the fused op's stock time over the kernel-level
-    stock time at uniform 288 tokens, both H200) on the H200 and on H20 (s), the tensor rate and
-    bandwidth that reproduce the seed's uniform-288 times, and the H20 fits."""
-    fused = json.loads((folder / "fused_h200.json").read_text())
+    stock time at uniform 288 tokens, both on the run's GPU) on that GPU and on H20 (s), the
+    tensor rate and bandwidth that reproduce the seed's uniform-288 times, and the H20 fits."""
+    tag = tag_of(folder)
+    fused = json.loads((folder / f"fused_{tag}.json").read_text())
     f288 = next(r for r in fused["ab"] if (r["routing"], r["tokens"]) == ("uniform", 288))
     k288 = next(r for r in res["ab"] if (r["routing"], r["tokens"]) == ("uniform", 288))
-    overhead_h200 = f288["stock_s"] - k288["stock_s"]
-    overhead = overhead_h200 / H20_OVER_H200_BW
+    overhead_gpu = f288["stock_s"] - k288["stock_s"]
+    overhead = overhead_gpu * HBM_TBPS[tag] / H20_TBPS
     tc, bw = model.calibrate_to_seed(fits, overhead, H20_SMS)
-    return overhead_h200, overhead, tc, bw, model.on_device(fits, tc, bw)
+    return overhead_gpu, overhead, tc, bw, model.on_device(fits, tc, bw)
 
 
 def model_section(res: dict, folder: Path) -> list[str]:
     sms = res["device"]["sms"]
-    fits, n = fit_h200(res)
+    fits, n = fit_run(res)
     ab = {(r["routing"], r["tokens"]): r for r in res["ab"]}
     plan = kind_of(res)
     err = {v: [] for v in ("stock", "avg", prev_plan(plan), plan)}
@@ -449,7 +465,8 @@ def model_section(res: dict, folder: Path) -> list[str]:
         for v in err:
             pred = model.slowest_rank(fits, routing, tokens, v, sms)
             err[v].append(pred / r[f"{column[v]}_s"] - 1)
-    overhead_h200, overhead, tc, bw, h20 = carried_to_h20(res, folder, fits)
+    overhead_gpu, overhead, tc, bw, h20 = carried_to_h20(res, folder, fits)
+    tag = tag_of(folder)
     out = [
         "Per grouped GEMM `t = c0 + max((weights + r * re-reads) / bw, padded MMA flops / tc)`, "
         "fitted per kernel on this run's single-launch measurements (each rank's median; "
@@ -491,11 +508,11 @@ def model_section(res: dict, folder: Path) -> list[str]:
         "",
         "H20 is built tensor-bound: every kernel is given one tensor rate `tc` and one bandwidth "
         "`bw` (each kernel's c0 and re-read share kept), and the fused op's other kernels cost "
-        f"{overhead_h200 * 1e6:.0f} us on the H200 (fused stock minus kernel-level stock at "
-        f"uniform 288 tokens, this run's files), {overhead * 1e6:.0f} us on H20 (scaled by the "
-        "datasheet bandwidths, 4.8 / 4.0 TB/s). `tc` and `bw` are the two values that reproduce "
-        "the seed's uniform-288 stock (1.808 ms, compute-bound) and average-only (0.564 ms, "
-        "bandwidth-bound) times on 78 SMs: "
+        f"{overhead_gpu * 1e6:.0f} us on the {tag.upper()} (fused stock minus kernel-level stock "
+        f"at uniform 288 tokens, this run's files), {overhead * 1e6:.0f} us on H20 (scaled by the "
+        f"datasheet bandwidths, {HBM_TBPS[tag]} / {H20_TBPS} TB/s). `tc` and `bw` are the two "
+        "values that reproduce the seed's uniform-288 stock (1.808 ms, compute-bound) and "
+        "average-only (0.564 ms, bandwidth-bound) times on 78 SMs: "
         f"**tc {tc / 1e12:.0f} TFLOP/s ({100 * tc / 296e12:.0f} % of the 296 datasheet), bw "
         f"{bw / 1e12:.2f} TB/s ({100 * bw / 4.0e12:.0f} % of 4.0)**. The seed's two other numbers "
         "are then predictions:",
@@ -664,7 +681,7 @@ def plot(res: dict, path: Path) -> None:
 # ----------------------------------------------------------------------------- main
 
 
-def _header(res: dict, versions: list[str]) -> list[str]:
+def _header(res: dict, versions: list[str], tag: str) -> list[str]:
     """The run's title, device, command, columns, method and routings."""
     d = res["device"]
     cand, label = candidate_of(res), labels(res)
@@ -672,11 +689,11 @@ def _header(res: dict, versions: list[str]) -> list[str]:
     aa = [abs(r["aa_ratio"] - 1) for r in aa_rows]
     worst_aa = max(aa_rows, key=lambda r: abs(r["aa_ratio"] - 1))
     return [
-        f"# Concentrated routing on one H200: {cand['title']}",
+        f"# Concentrated routing on one {tag.upper()}: {cand['title']}",
         "",
         f"- Device: {d['nvidia_smi']}; {d['sms']} SMs; torch {d['torch']}, CUDA {d['cuda']}; "
         f"DeepGEMM and `fp8_blockscale_gemm.cu` from {d['flashinfer_sources']}.",
-        f"- Kernel-level command: `{res['command']}` (kernel_h200.json, kernel_h200.log); "
+        f"- Kernel-level command: `{res['command']}` (kernel_{tag}.json, kernel_{tag}.log); "
         f"copy bandwidth {res['copy_bandwidth_Bps'] / 1e12:.2f} TB/s, FP8 8192^3 GEMM "
         f"{res['fp8_tflops_measured']:.0f} TFLOP/s, measured in the same run.",
         "- Columns: "
@@ -704,11 +721,12 @@ def _header(res: dict, versions: list[str]) -> list[str]:
 
 
 def render(folder: Path) -> str:
-    res = json.loads((folder / "kernel_h200.json").read_text())
+    tag = tag_of(folder)
+    res = json.loads((folder / f"kernel_{tag}.json").read_text())
     label = labels(res)
     versions = [v for v in ("avg", "prev", "fix", "split") if v in res["ab"][0]["speedups"]]
     out = [
-        *_header(res, versions),
+        *_header(res, versions, tag),
         "## Summary",
         "",
         "Geometric mean of the speedup over stock (worst case in brackets):",
@@ -721,7 +739,7 @@ def render(folder: Path) -> str:
         "",
         *case_table(res, versions),
         "",
-        "![speedups](kernel_h200.png)",
+        f"![speedups](kernel_{tag}.png)",
         "",
     ]
     if res.get("calibration"):
@@ -738,13 +756,13 @@ def render(folder: Path) -> str:
             *calib_table(res["calibration"]),
             "",
         ]
-    emu_file = folder / "emulated_h200.json"
+    emu_file = folder / f"emulated_{tag}.json"
     if emu_file.exists():
         emu = json.loads(emu_file.read_text())
         out += [
             "## H20 emulations",
             "",
-            f"`{emu['command']}` (emulated_h200.json): the calibration build plans tiles and "
+            f"`{emu['command']}` (emulated_{tag}.json): the calibration build plans tiles and "
             "the swap threshold for 78 SMs; its launches get 78, 40 or 20 CTAs. "
             + (
                 "Stock, average-only, the shipped plan and the candidate."
@@ -758,12 +776,12 @@ def render(folder: Path) -> str:
             "",
             *emulation_section(emu),
         ]
-    for f in sorted(folder.glob("explore_*_h200.json")):
+    for f in sorted(folder.glob(f"explore_*_{tag}.json")):
         out += [f"## Explored: `{f.name}`", "", *explore_section(f), ""]
     fused = fused_section(folder, candidate_of(res))
     if fused:
         out += ["## Through FlashInfer's fused op (candidate module)", "", *fused, ""]
-    if (folder / "fused_h200.json").exists():
+    if (folder / f"fused_{tag}.json").exists():
         out += ["## What H20 would do: the model", "", *model_section(res, folder), ""]
     return "\n".join(out) + "\n"
 
@@ -778,9 +796,10 @@ def main() -> None:
     notes = head.read_text() if head.exists() else ""
     (args.folder / "README.md").write_text(notes + text)
     if not args.no_plot:
+        tag = tag_of(args.folder)
         plot(
-            json.loads((args.folder / "kernel_h200.json").read_text()),
-            args.folder / "kernel_h200.png",
+            json.loads((args.folder / f"kernel_{tag}.json").read_text()),
+            args.folder / f"kernel_{tag}.png",
         )
     print(f"wrote {args.folder / 'README.md'}")
 

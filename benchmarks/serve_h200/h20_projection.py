@@ -55,7 +55,7 @@ def h20_moe(rr, run: Path = KERNEL_RUN) -> tuple[dict, float, Callable[[str, int
     (s), and a predictor (routing, tokens, version) -> seconds of the fused op's slowest rank,
     from report_run.py's (`rr`) fit of the kernel-level run."""
     res = json.loads((run / "kernel_h200.json").read_text())
-    fits, _ = rr.fit_h200(res)
+    fits, _ = rr.fit_run(res)
     _, overhead, tc, bw, h20 = rr.carried_to_h20(res, run, fits)
 
     def predict(routing: str, tokens: int, version: str) -> float:
