@@ -73,11 +73,12 @@ full)
     # last; every step writes its files as it goes and has a time limit. STEPS picks some of
     # them (default: all, in this order), e.g. STEPS="fused stock_tests" after a lease that ran
     # out before them.
+    all_steps="kernel emulated rerun fused stock_tests"
     for name in ${STEPS:-}; do
-        case " kernel emulated rerun fused stock_tests " in
+        case " $all_steps " in
         *" $name "*) ;;
         *)
-            echo "h200.sh full: unknown step '$name' in STEPS (kernel emulated rerun fused stock_tests)" >&2
+            echo "h200.sh full: unknown step '$name' in STEPS ($all_steps)" >&2
             exit 2
             ;;
         esac
@@ -86,7 +87,7 @@ full)
     # One step: its start, then its exit status taken before anything else runs.
     run_step() {
         local name=$1 label=$2
-        case " ${STEPS:-kernel emulated rerun fused stock_tests} " in
+        case " ${STEPS:-$all_steps} " in
         *" $name "*) ;;
         *) return 0 ;;
         esac

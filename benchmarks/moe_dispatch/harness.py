@@ -35,6 +35,11 @@ def write_json(path: Path, obj) -> None:
 
 def unpack_flashinfer(archive: Path, work: Path) -> Path:
     """FlashInfer's data dir (csrc/, include/, cutlass/, spdlog/) from a tarball or a dir."""
+    if not archive.exists():
+        raise SystemExit(
+            f"no FlashInfer sources at {archive}: make them with "
+            "`python benchmarks/moe_dispatch/fetch_sources.py` (and carry .fi)"
+        )
     if archive.is_dir():
         return archive
     dest = work / "flashinfer-data"

@@ -339,9 +339,10 @@ def explore_section(path: Path) -> list[str]:
     return out
 
 
-def fused_section(folder: Path, cand: dict) -> list[str]:
-    """The fused-op A/B and FlashInfer's tests of the run's candidate module (cand: CANDIDATES)."""
-    f = folder / f"fused_{tag_of(folder)}.json"
+def fused_section(folder: Path, cand: dict, tag: str) -> list[str]:
+    """The fused-op A/B and FlashInfer's tests of the run's candidate module (cand: CANDIDATES;
+    tag: the GPU the folder's files are named for)."""
+    f = folder / f"fused_{tag}.json"
     if not f.exists():
         return []
     res = json.loads(f.read_text())
@@ -454,7 +455,7 @@ def carried_to_h20(res: dict, folder: Path, fits: dict) -> tuple[float, float, f
     return overhead_gpu, overhead, tc, bw, model.on_device(fits, tc, bw)
 
 
-def model_section(res: dict, folder: Path) -> list[str]:
+def model_section(res: dict, folder: Path, tag: str) -> list[str]:
     sms = res["device"]["sms"]
     fits, n = fit_run(res)
     ab = {(r["routing"], r["tokens"]): r for r in res["ab"]}
@@ -466,7 +467,6 @@ def model_section(res: dict, folder: Path) -> list[str]:
             pred = model.slowest_rank(fits, routing, tokens, v, sms)
             err[v].append(pred / r[f"{column[v]}_s"] - 1)
     overhead_gpu, overhead, tc, bw, h20 = carried_to_h20(res, folder, fits)
-    tag = tag_of(folder)
     out = [
         "Per grouped GEMM `t = c0 + max((weights + r * re-reads) / bw, padded MMA flops / tc)`, "
         "fitted per kernel on this run's single-launch measurements (each rank's median; "
@@ -778,11 +778,11 @@ def render(folder: Path) -> str:
         ]
     for f in sorted(folder.glob(f"explore_*_{tag}.json")):
         out += [f"## Explored: `{f.name}`", "", *explore_section(f), ""]
-    fused = fused_section(folder, candidate_of(res))
+    fused = fused_section(folder, candidate_of(res), tag)
     if fused:
         out += ["## Through FlashInfer's fused op (candidate module)", "", *fused, ""]
     if (folder / f"fused_{tag}.json").exists():
-        out += ["## What H20 would do: the model", "", *model_section(res, folder), ""]
+        out += ["## What H20 would do: the model", "", *model_section(res, folder, tag), ""]
     return "\n".join(out) + "\n"
 
 

@@ -91,7 +91,7 @@ def test_run_without_the_flashinfer_sources_says_how_to_make_them(tmp_path):
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
     assert r.stderr.strip() == (
-        f"run.py: no FlashInfer sources at {tmp_path / 'none.tar.xz'}: make them with "
+        f"no FlashInfer sources at {tmp_path / 'none.tar.xz'}: make them with "
         "`python benchmarks/moe_dispatch/fetch_sources.py` (and carry .fi)"
     )
 
@@ -123,7 +123,10 @@ def test_full_logs_each_step_s_own_exit_status(tmp_path):
     ], r.stdout
     assert r.returncode == 1
     log = (tmp_path / "session" / "out" / "kernel.log").read_text()
-    assert "run.py: no FlashInfer sources at .fi/flashinfer-0.7.2.post1-src.tar.xz" in log
+    assert log.strip().splitlines()[-1] == (
+        "no FlashInfer sources at .fi/flashinfer-0.7.2.post1-src.tar.xz: make them with "
+        "`python benchmarks/moe_dispatch/fetch_sources.py` (and carry .fi)"
+    )
 
 
 def test_full_refuses_an_unknown_step_before_running_any(tmp_path):
