@@ -185,9 +185,18 @@ sweep)
     targets=(); for n in "$@"; do targets+=(--target "$n=http://127.0.0.1:$(port "$n")"); done
     name=$(basename "$spec" .yaml)${TAG:+-$TAG}   # TAG: another set of targets, same spec
     resume=(); [ -d "$SH/sweeps/$name" ] && resume=(--resume)
+    # Clocks, power and temperature once a second beside the runs (as steptime does).
+    # Beside the sweep's folder, not in it: `bench sweep` refuses a folder that is not a sweep.
+    mkdir -p "$SH/sweeps"
+    nvidia-smi --query-gpu=timestamp,clocks.sm,clocks.mem,power.draw,temperature.gpu,utilization.gpu \
+        --format=csv -l 1 >> "$SH/sweeps/nvidia-smi-$name.csv" 2>/dev/null &
+    smi=$!
     # SWEEP_ARGS: more `bench sweep` flags (e.g. --concurrency 128: one tier of the spec now)
     $(pin "$CLIENT_CPUS") vllm-h20 bench sweep "$spec" "${targets[@]}" --tokenizer "$(model_of "$1")" \
         --out "$SH/sweeps/$name" "${resume[@]}" ${SWEEP_ARGS:-}
+    rc=$?
+    kill "$smi" 2>/dev/null
+    exit $rc
     ;;
 jitsave)
     OUT=${1:?out dir}; mkdir -p "$OUT"
