@@ -30,7 +30,16 @@ PROFILED_STEPS = 12
 # The journey's (benchmarks/journey_h200/): the release on Humming, the conversion with and
 # without the fix.
 SERVERS = ("fix", "stock", "triton", "deepgemm", "v4hum", "v4fix", "v4stock")
-TITLE = "Serving on one H200: stock vs per-expert (vLLM 0.26.0, FlashInfer CUTLASS MoE)"
+TITLE = "Serving on one {gpu}: stock vs per-expert (vLLM 0.26.0, FlashInfer CUTLASS MoE)"
+
+
+def gpu_of(smi: Path) -> str:
+    """The GPU model of the lease from `collect`'s nvidia-smi.txt ("H200", "H100"): a lease
+    asked for an H200 may get an H100, and the heading must say which ran."""
+    m = re.search(r"NVIDIA (H\d+)", smi.read_text(errors="replace")) if smi.is_file() else None
+    if m is None:
+        raise SystemExit(f"{smi}: no NVIDIA H-series GPU named; pass --title")
+    return m.group(1)
 
 
 def kernel_class(name: str) -> str:
@@ -81,7 +90,7 @@ def _short(name: str) -> str:
             f"stages={stages} ({m.group(3)}{rows})")  # fmt: skip
 
 
-def summary(root: Path, reports: dict[str, Path], title: str = TITLE) -> str:
+def summary(root: Path, reports: dict[str, Path], title: str) -> str:
     chk = root / "check"
     logs = {n: root / "logs" / f"{n}.log" for n in SERVERS}
     lines = [f"# {title}", ""]
@@ -342,12 +351,18 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("tarball", type=Path)
     ap.add_argument("out", type=Path)
     ap.add_argument("--baseline", default="stock")
-    ap.add_argument("--title", default=TITLE, help="the summary's heading (the journey's own)")
+    ap.add_argument(
+        "--title",
+        help="the summary's heading (default: the serving A/B's, naming the "
+        "GPU in logs/nvidia-smi.txt; the journey passes its own)",
+    )
     a = ap.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         with tarfile.open(a.tarball) as t:
             t.extractall(root, filter="data")
+        # Before anything is written: a tarball that names no GPU leaves no half-made folder.
+        title = a.title or TITLE.format(gpu=gpu_of(root / "logs" / "nvidia-smi.txt"))
         a.out.mkdir(parents=True, exist_ok=True)
         for sub in ("check", "sweeps", "steptime"):
             if (root / sub).exists():
@@ -369,7 +384,7 @@ def main(argv: list[str] | None = None) -> None:
                    "--baseline", a.baseline, "--out", spec]  # fmt: skip
             subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, cwd=a.out)
             reports[spec] = a.out / spec
-    (a.out / "summary.md").write_text(summary(a.out, reports, a.title))
+    (a.out / "summary.md").write_text(summary(a.out, reports, title))
     print(f"wrote {a.out}/summary.md")
 
 

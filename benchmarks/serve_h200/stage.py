@@ -15,6 +15,7 @@ so that each device call carries one piece under its 64 MiB limit, the working t
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import shutil
 import subprocess
 import sys
@@ -45,6 +46,17 @@ def piece_bytes(tree: int) -> int:
             "published results out of it for the lease"
         )
     return room << 20
+
+
+def check_python() -> None:
+    """Refuse, before anything is downloaded, a Python without `tokenizers`: make_model.py
+    writes the test model's tokenizer with it (round 6 staged a traceback otherwise)."""
+    if importlib.util.find_spec("tokenizers") is None:
+        raise SystemExit(
+            f"stage: {sys.executable} has no `tokenizers` package, which make_model.py needs "
+            "for the model's tokenizer: `pip install tokenizers`, or run stage.py with a Python "
+            "that has it (e.g. the CI venv's)"
+        )
 
 
 def requirements(extra: list[Path] = ()) -> list[str]:
@@ -97,6 +109,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--piece-mib", type=int, default=None,
                     help="piece size (default: what fits beside the working tree)")  # fmt: skip
     a = ap.parse_args(argv)
+    check_python()
     jit = jit_pieces(a.jit_cache) if a.jit_cache else []
     tree = tree_bytes(REPO)
     piece = a.piece_mib << 20 if a.piece_mib else piece_bytes(tree)

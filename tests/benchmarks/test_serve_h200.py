@@ -133,6 +133,21 @@ def test_stage_keeps_what_kernels_build_needs_in_the_boot_tar():
     assert {"flashinfer-python", "apache-tvm-ffi"} <= {r.split("==")[0] for r in reqs}
 
 
+def test_stage_refuses_a_python_without_tokenizers_before_downloading(tmp_path, monkeypatch):
+    """make_model.py writes the tokenizer with `tokenizers`; without it stage.py stops in one
+    line before any download (round 6 got a traceback after the wheels were fetched)."""
+    real = stage.importlib.util.find_spec
+
+    def find_spec(name, *a):
+        return None if name == "tokenizers" else real(name, *a)
+
+    monkeypatch.setattr(stage.importlib.util, "find_spec", find_spec)
+    monkeypatch.setattr(stage, "download", lambda *a: pytest.fail("downloaded"))
+    with pytest.raises(SystemExit, match=r"has no `tokenizers` package.*pip install tokenizers"):
+        stage.main(["--stage", str(tmp_path / "st"), "--piece-mib", "8"])
+    assert not (tmp_path / "st").exists()
+
+
 def test_stage_sizes_pieces_beside_the_working_tree_and_keeps_only_pinned_wheels():
     assert stage.piece_bytes(10 << 20) == 52 << 20  # 64 MiB - tree - 2 MiB margin
     with pytest.raises(SystemExit, match="no room left"):
@@ -285,6 +300,30 @@ def test_published_results_rebuild_from_their_own_run_files(tmp_path, round_dir)
             published / spec / "report.md"
         ).read_text()
         assert (out / spec / "throughput.png").stat().st_size > 10_000
+
+
+def test_report_names_the_gpu_that_ran_and_refuses_a_lease_that_names_none(tmp_path):
+    """The heading comes from collect's nvidia-smi.txt (a lease asked for an H200 may get an
+    H100: round 6); a tarball without it is refused in one line before anything is written."""
+    published = RESULTS / "round6-h100-step-time"
+    assert (published / "summary.md").read_text().startswith("# Serving on one H100: ")
+    assert (
+        (RESULTS / "round5-gpu-step-time" / "summary.md")
+        .read_text()
+        .startswith("# Serving on one H200: ")
+    )
+    bare = tmp_path / "bare"
+    (bare / "logs").mkdir(parents=True)
+    (bare / "logs" / "fix.log").write_text("INFO starting\n")
+    tarball = pack_published(bare, tmp_path / "serve_h200.tar.gz")
+    out = tmp_path / "out"
+    res = subprocess.run([sys.executable, str(HERE / "report.py"), str(tarball), str(out)],
+                         capture_output=True, text=True, cwd=ROOT, timeout=120)  # fmt: skip
+    assert res.returncode != 0
+    assert len(res.stderr.strip().splitlines()) == 1
+    assert "nvidia-smi.txt: no NVIDIA H-series GPU named; pass --title" in res.stderr
+    assert "Traceback" not in res.stderr
+    assert not out.exists()
 
 
 def test_generated_weights_have_the_names_shapes_and_dtypes_vllm_loads(tmp_path):
