@@ -33,13 +33,11 @@ SERVERS = ("fix", "stock", "triton", "deepgemm", "v4hum", "v4fix", "v4stock")
 TITLE = "Serving on one {gpu}: stock vs per-expert (vLLM 0.26.0, FlashInfer CUTLASS MoE)"
 
 
-def gpu_of(smi: Path) -> str:
+def gpu_of(smi: Path) -> str | None:
     """The GPU model of the lease from `collect`'s nvidia-smi.txt ("H200", "H100"): a lease
     asked for an H200 may get an H100, and the heading must say which ran."""
     m = re.search(r"NVIDIA (H\d+)", smi.read_text(errors="replace")) if smi.is_file() else None
-    if m is None:
-        raise SystemExit(f"{smi}: no NVIDIA H-series GPU named; pass --title")
-    return m.group(1)
+    return m.group(1) if m else None
 
 
 def kernel_class(name: str) -> str:
@@ -362,7 +360,15 @@ def main(argv: list[str] | None = None) -> None:
         with tarfile.open(a.tarball) as t:
             t.extractall(root, filter="data")
         # Before anything is written: a tarball that names no GPU leaves no half-made folder.
-        title = a.title or TITLE.format(gpu=gpu_of(root / "logs" / "nvidia-smi.txt"))
+        title = a.title
+        if title is None:
+            gpu = gpu_of(root / "logs" / "nvidia-smi.txt")
+            if gpu is None:
+                raise SystemExit(
+                    f"report: {a.tarball}: its logs/nvidia-smi.txt (written by `h200.sh "
+                    "collect`) names no NVIDIA H-series GPU; pass --title"
+                )
+            title = TITLE.format(gpu=gpu)
         a.out.mkdir(parents=True, exist_ok=True)
         for sub in ("check", "sweeps", "steptime"):
             if (root / sub).exists():

@@ -321,7 +321,8 @@ def test_report_names_the_gpu_that_ran_and_refuses_a_lease_that_names_none(tmp_p
                          capture_output=True, text=True, cwd=ROOT, timeout=120)  # fmt: skip
     assert res.returncode != 0
     assert len(res.stderr.strip().splitlines()) == 1
-    assert "nvidia-smi.txt: no NVIDIA H-series GPU named; pass --title" in res.stderr
+    assert res.stderr.startswith(f"report: {tarball}: its logs/nvidia-smi.txt")
+    assert res.stderr.rstrip().endswith("names no NVIDIA H-series GPU; pass --title")
     assert "Traceback" not in res.stderr
     assert not out.exists()
 
