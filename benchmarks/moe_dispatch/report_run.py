@@ -440,12 +440,14 @@ def fit_run(res: dict) -> tuple[dict, int]:
     return fits, sum(len(s) for s in samples.values())
 
 
-def carried_to_h20(res: dict, folder: Path, fits: dict) -> tuple[float, float, float, float, dict]:
+def carried_to_h20(
+    res: dict, folder: Path, fits: dict, tag: str
+) -> tuple[float, float, float, float, dict]:
     """The run's fits carried to H20 and calibrated to the seed: the fused op's other kernels
     (permute, SwiGLU + requantization, finalize: the fused op's stock time over the kernel-level
     stock time at uniform 288 tokens, both on the run's GPU) on that GPU and on H20 (s), the
-    tensor rate and bandwidth that reproduce the seed's uniform-288 times, and the H20 fits."""
-    tag = tag_of(folder)
+    tensor rate and bandwidth that reproduce the seed's uniform-288 times, and the H20 fits
+    (tag: the GPU the folder's files are named for, tag_of)."""
     fused = json.loads((folder / f"fused_{tag}.json").read_text())
     f288 = next(r for r in fused["ab"] if (r["routing"], r["tokens"]) == ("uniform", 288))
     k288 = next(r for r in res["ab"] if (r["routing"], r["tokens"]) == ("uniform", 288))
@@ -466,7 +468,7 @@ def model_section(res: dict, folder: Path, tag: str) -> list[str]:
         for v in err:
             pred = model.slowest_rank(fits, routing, tokens, v, sms)
             err[v].append(pred / r[f"{column[v]}_s"] - 1)
-    overhead_gpu, overhead, tc, bw, h20 = carried_to_h20(res, folder, fits)
+    overhead_gpu, overhead, tc, bw, h20 = carried_to_h20(res, folder, fits, tag)
     out = [
         "Per grouped GEMM `t = c0 + max((weights + r * re-reads) / bw, padded MMA flops / tc)`, "
         "fitted per kernel on this run's single-launch measurements (each rank's median; "
@@ -720,8 +722,7 @@ def _header(res: dict, versions: list[str], tag: str) -> list[str]:
     ]
 
 
-def render(folder: Path) -> str:
-    tag = tag_of(folder)
+def render(folder: Path, tag: str) -> str:
     res = json.loads((folder / f"kernel_{tag}.json").read_text())
     label = labels(res)
     versions = [v for v in ("avg", "prev", "fix", "split") if v in res["ab"][0]["speedups"]]
@@ -791,12 +792,12 @@ def main() -> None:
     ap.add_argument("folder", type=Path)
     ap.add_argument("--no-plot", action="store_true")
     args = ap.parse_args()
-    text = render(args.folder)
+    tag = tag_of(args.folder)
+    text = render(args.folder, tag)
     head = args.folder / "NOTES.md"
     notes = head.read_text() if head.exists() else ""
     (args.folder / "README.md").write_text(notes + text)
     if not args.no_plot:
-        tag = tag_of(args.folder)
         plot(
             json.loads((args.folder / f"kernel_{tag}.json").read_text()),
             args.folder / f"kernel_{tag}.png",

@@ -43,6 +43,13 @@ SERVERS=${SERVERS:-$repo/benchmarks/serve_h200/servers.sh}
 source "$SERVERS"
 export SERVERS  # steps that call this script again keep the same table
 healthy() { curl -sf -m 2 "localhost:$(port "$1")/health" >/dev/null; }
+# Clocks, power, temperature and utilization once a second, appended to $1 in the background
+# while a measuring step runs (a throttled stretch shows); its pid in $smi, to kill after.
+log_gpu() {
+    nvidia-smi --query-gpu=timestamp,clocks.sm,clocks.mem,power.draw,temperature.gpu,utilization.gpu \
+        --format=csv -l 1 >> "$1" 2>/dev/null &
+    smi=$!
+}
 
 case $step in
 boot)
@@ -170,10 +177,7 @@ profile)
     ;;
 steptime)
     specs=(); for n in "$@"; do specs+=("$n=$(port "$n")"); done
-    # Clocks, power and temperature once a second while it runs: a throttled stretch shows.
-    nvidia-smi --query-gpu=timestamp,clocks.sm,clocks.mem,power.draw,temperature.gpu,utilization.gpu \
-        --format=csv -l 1 >> "$SH/steptime/nvidia-smi.csv" 2>/dev/null &
-    smi=$!
+    log_gpu "$SH/steptime/nvidia-smi.csv"
     $(pin "$CLIENT_CPUS") python3 benchmarks/serve_h200/steptime.py --out "$SH/steptime" \
         --step-times "$SH/steps" ${STEPTIME_ARGS:-} "${specs[@]}"
     rc=$?
@@ -185,12 +189,8 @@ sweep)
     targets=(); for n in "$@"; do targets+=(--target "$n=http://127.0.0.1:$(port "$n")"); done
     name=$(basename "$spec" .yaml)${TAG:+-$TAG}   # TAG: another set of targets, same spec
     resume=(); [ -d "$SH/sweeps/$name" ] && resume=(--resume)
-    # Clocks, power and temperature once a second beside the runs (as steptime does).
     # Beside the sweep's folder, not in it: `bench sweep` refuses a folder that is not a sweep.
-    mkdir -p "$SH/sweeps"
-    nvidia-smi --query-gpu=timestamp,clocks.sm,clocks.mem,power.draw,temperature.gpu,utilization.gpu \
-        --format=csv -l 1 >> "$SH/sweeps/nvidia-smi-$name.csv" 2>/dev/null &
-    smi=$!
+    log_gpu "$SH/sweeps/nvidia-smi-$name.csv"
     # SWEEP_ARGS: more `bench sweep` flags (e.g. --concurrency 128: one tier of the spec now)
     $(pin "$CLIENT_CPUS") vllm-h20 bench sweep "$spec" "${targets[@]}" --tokenizer "$(model_of "$1")" \
         --out "$SH/sweeps/$name" "${resume[@]}" ${SWEEP_ARGS:-}

@@ -54,9 +54,10 @@ def h20_moe(rr, run: Path = KERNEL_RUN) -> tuple[dict, float, Callable[[str, int
     """The H20 model's calibrated tensor rate and bandwidth, the fused op's other kernels on H20
     (s), and a predictor (routing, tokens, version) -> seconds of the fused op's slowest rank,
     from report_run.py's (`rr`) fit of the kernel-level run."""
-    res = json.loads((run / "kernel_h200.json").read_text())
+    tag = rr.tag_of(run)
+    res = json.loads((run / f"kernel_{tag}.json").read_text())
     fits, _ = rr.fit_run(res)
-    _, overhead, tc, bw, h20 = rr.carried_to_h20(res, run, fits)
+    _, overhead, tc, bw, h20 = rr.carried_to_h20(res, run, fits, tag)
 
     def predict(routing: str, tokens: int, version: str) -> float:
         return rr.model.slowest_rank(h20, routing, tokens, version, rr.H20_SMS) + overhead
