@@ -24,6 +24,10 @@
 #   h200.sh sweep SPEC NAME...   vllm-h20 bench sweep (resumes) into $SH/sweeps/SPEC[-$TAG]
 #                           (SWEEP_ARGS: more of its flags; SERVE_ARGS at `serve`: more vLLM
 #                           flags for every server)
+#   h200.sh sweep-bg SPEC NAME...   the same sweep in the background (setsid), so a run outlives
+#                           the device call that started it; log $SH/logs/sweep-SPEC.log
+#   h200.sh sweep-wait SPEC wait up to WAIT_S (default 540) for it: its exit status, or 3 while
+#                           it still runs
 #   h200.sh jitsave OUT     the JIT caches (TileLang, vLLM's DeepGEMM, Triton, FlashInfer's
 #                           DeepGEMM, autotune) -> OUT/jit-cache.tgz[.NN] (15 MiB pieces)
 #   h200.sh jitload [DIR]   restore them from DIR (default .stage: carried with boot.tar; boot
@@ -36,7 +40,7 @@
 # The V4 journey's steps and servers (v4*) are benchmarks/journey_h200/h200.sh's; it runs the
 # steps above with its own server table (SERVERS=.../journey_h200/servers.sh).
 set -uo pipefail
-step=${1:?boot|take|install|weights|serve|wait|check|compare|warm|profile|steptime|sweep|jitsave|jitload|stop|collect}; shift
+step=${1:?boot|take|install|weights|serve|wait|check|compare|warm|profile|steptime|sweep|sweep-bg|sweep-wait|jitsave|jitload|stop|collect}; shift
 cd "$(dirname "$0")/../.."
 source benchmarks/serve_h200/env.sh
 SERVERS=${SERVERS:-$repo/benchmarks/serve_h200/servers.sh}
@@ -197,6 +201,34 @@ sweep)
     rc=$?
     kill "$smi" 2>/dev/null
     exit $rc
+    ;;
+sweep-bg)
+    # A sweep run takes 90-107 s; one cut by the end of a device call is lost and run again. In
+    # the background it goes on between calls (a machine is kept while calls follow at once).
+    spec=${1:?spec}; name=sweep-$(basename "$spec" .yaml)${TAG:+-$TAG}
+    if running "$name"; then echo "$name: already running (pid $(cat "$SH/$name.pid"))"; exit 0; fi
+    rm -f "$SH/$name.rc"
+    RC="$SH/$name.rc" setsid bash -c 'bash "$0" sweep "$@"; echo $? > "$RC"' \
+        "$repo/benchmarks/serve_h200/h200.sh" "$@" > "$SH/logs/$name.log" 2>&1 < /dev/null &
+    echo $! > "$SH/$name.pid"
+    echo "$name: started in the background (pid $!); log $SH/logs/$name.log"
+    ;;
+sweep-wait)
+    spec=${1:?spec}; name=sweep-$(basename "$spec" .yaml)${TAG:+-$TAG}
+    deadline=$(( $(date +%s) + ${WAIT_S:-540} ))
+    until [ -f "$SH/$name.rc" ]; do
+        # (the status is written as the sweep ends: look for it once more before calling it lost)
+        if ! running "$name" && [ ! -f "$SH/$name.rc" ]; then
+            echo "$name: not running, and no exit status in $SH/$name.rc"; exit 1
+        fi
+        if [ "$(date +%s)" -ge "$deadline" ]; then
+            grep -E '^(ok|FAIL) ' "$SH/logs/$name.log" | tail -n 3
+            echo "$name: still running"; exit 3
+        fi
+        sleep 2
+    done
+    tail -n 5 "$SH/logs/$name.log"
+    exit "$(cat "$SH/$name.rc")"
     ;;
 jitsave)
     OUT=${1:?out dir}; mkdir -p "$OUT"

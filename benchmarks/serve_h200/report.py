@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import collections
 import gzip
+import importlib.util
 import json
 import math
 import re
@@ -88,7 +89,7 @@ def _short(name: str) -> str:
             f"stages={stages} ({m.group(3)}{rows})")  # fmt: skip
 
 
-def summary(root: Path, reports: dict[str, Path], title: str) -> str:
+def summary(root: Path, reports: dict[str, Path], title: str, baseline: str = "stock") -> str:
     chk = root / "check"
     logs = {n: root / "logs" / f"{n}.log" for n in SERVERS}
     lines = [f"# {title}", ""]
@@ -99,6 +100,7 @@ def summary(root: Path, reports: dict[str, Path], title: str) -> str:
     lines += _steptimes(root)
     lines += _step_intervals(root / "steps")
     lines += _sweeps(reports)
+    lines += _sweep_steps(root, baseline)
     return "\n".join(lines) + "\n"
 
 
@@ -263,9 +265,7 @@ def _step_intervals(steps_dir: Path, batches: tuple[int, ...] = (64, 128, 256)) 
     for log in logs:
         steps = [json.loads(x) for x in gzip.decompress(log.read_bytes()).splitlines()]
         for b in batches:
-            pairs = [(a, c) for a, c in zip(steps, steps[1:], strict=False)
-                     if a["tokens"] == a["reqs"] == c["tokens"] == c["reqs"] == b
-                     and c["t"] - a["t"] < 0.5]  # fmt: skip
+            pairs = _decode_pairs(steps, b, -math.inf, math.inf)
             if len(pairs) < 2:
                 continue
             iv = [(c["t"] - a["t"]) * 1e3 for a, c in pairs]
@@ -331,6 +331,76 @@ def _sweeps(reports: dict[str, Path]) -> list[str]:
     return lines
 
 
+def _decode_pairs(steps: list[dict], batch: int, t0: float, t1: float) -> list[tuple[dict, dict]]:
+    """Consecutive decode steps of exactly `batch` requests that started in [t0, t1] and less
+    than 0.5 s apart (the same batch, no pause between them)."""
+    return [(a, c) for a, c in zip(steps, steps[1:], strict=False)
+            if t0 <= a["t"] and c["t"] <= t1
+            and a["tokens"] == a["reqs"] == c["tokens"] == c["reqs"] == batch
+            and c["t"] - a["t"] < 0.5]  # fmt: skip
+
+
+def _sweep_steps(root: Path, baseline: str) -> list[str]:
+    """Each sweep run's decode steps, from the engines' step logs inside that run's GuideLLM
+    window: the median interval between steps of the tier's full batch and their median GPU
+    time, per run; then the baseline's over each target's, a Welch 95 % CI over runs. It says
+    how much of a GPU-step change reaches the wall clock while the sweep measures."""
+    from vllm_h20.bench.stats import welch_ratio_ci
+
+    logs = {p.name.removesuffix(".jsonl.gz"): p for p in (root / "steps").glob("*.jsonl.gz")}
+    runs = sorted((root / "sweeps").glob("*/runs/*/c*-r*.json"))
+    if not logs or not runs:
+        return []
+    steps = {t: [json.loads(x) for x in gzip.decompress(p.read_bytes()).splitlines()]
+             for t, p in logs.items()}  # fmt: skip
+    # {(sweep, concurrency): {target: [(interval ms, GPU ms) per run]}}
+    cells: dict[tuple[str, int], dict[str, list[tuple[float, float]]]] = collections.defaultdict(
+        lambda: collections.defaultdict(list)
+    )
+    for f in runs:
+        r = json.loads(f.read_text())
+        window = (r.get("guidellm") or {}).get("window")
+        if r.get("status") != "ok" or not window or r["target"] not in steps:
+            continue
+        pairs = _decode_pairs(steps[r["target"]], r["concurrency"], window["start"], window["end"])
+        if len(pairs) < 2:
+            continue
+        cells[(f.parents[2].name, r["concurrency"])][r["target"]].append(
+            (statistics.median((c["t"] - a["t"]) * 1e3 for a, c in pairs),
+             statistics.median(a["gpu_ms"] for a, _ in pairs)))  # fmt: skip
+    if not cells:
+        return []
+    lines = ["## Decode steps inside each sweep run's window (`steps/*.jsonl.gz`)", "",
+             "Per run: the median interval between consecutive decode steps of the tier's full "
+             "batch, and their median GPU time, over the steps that started inside the run's "
+             "GuideLLM window; mean over runs. Then the baseline's over each target's (above 1: "
+             "the target's step is shorter), ratio of geometric means with a Welch 95 % CI over "
+             "runs. The interval is what the sweep's throughput sees; the GPU time, what the "
+             "kernels changed.", "",
+             "| sweep | concurrency | target | runs | interval | GPU "
+             "| interval ratio | GPU ratio |",
+             "|---|---:|---|---:|---:|---:|---|---|"]  # fmt: skip
+
+    def ratio(base: list[float], other: list[float]) -> str:
+        if len(base) < 2 or len(other) < 2:
+            return "n < 2"
+        ci = welch_ratio_ci(base, other)
+        return (
+            f"{ci.ratio:.3f} ({ci.low:.3f}-{ci.high:.3f}{'' if ci.resolved else ', not resolved'})"
+        )
+
+    for (sweep, conc), by in sorted(cells.items()):
+        base = by.get(baseline, [])
+        for target, vals in sorted(by.items(), key=lambda kv: kv[0] != baseline):
+            iv, gpu = [v[0] for v in vals], [v[1] for v in vals]
+            rel = ("baseline", "baseline") if target == baseline else (
+                ratio([b[0] for b in base], iv), ratio([b[1] for b in base], gpu))  # fmt: skip
+            lines.append(f"| {sweep} | {conc} | {target} | {len(vals)} | "
+                         f"{statistics.fmean(iv):.2f} ms | {statistics.fmean(gpu):.2f} ms | "
+                         f"{rel[0]} | {rel[1]} |")  # fmt: skip
+    return [*lines, ""]
+
+
 def _keep_step_logs(src: Path, dst: Path) -> None:
     """Each server's per-step GPU log (every process's lines, in time order), gzipped: the raw
     evidence behind steptime.json's GPU columns."""
@@ -355,6 +425,13 @@ def main(argv: list[str] | None = None) -> None:
         "GPU in logs/nvidia-smi.txt; the journey passes its own)",
     )
     a = ap.parse_args(argv)
+    # The step logs, the ratios and `bench report` come from the package; without it the run
+    # would stop halfway with a traceback (round 7 did, in a venv without it installed).
+    if importlib.util.find_spec("vllm_h20") is None:
+        raise SystemExit(
+            f"report: {sys.executable} cannot import vllm_h20: `pip install -e .` from the "
+            "repository (or run report.py with the Python that has it)"
+        )
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         with tarfile.open(a.tarball) as t:
@@ -390,7 +467,7 @@ def main(argv: list[str] | None = None) -> None:
                    "--baseline", a.baseline, "--out", spec]  # fmt: skip
             subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, cwd=a.out)
             reports[spec] = a.out / spec
-    (a.out / "summary.md").write_text(summary(a.out, reports, title))
+    (a.out / "summary.md").write_text(summary(a.out, reports, title, a.baseline))
     print(f"wrote {a.out}/summary.md")
 
 

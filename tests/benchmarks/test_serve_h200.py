@@ -126,6 +126,35 @@ def test_device_scripts_parse_and_refuse_unknown_steps_and_servers(tmp_path):
     assert run(HERE / "h200.sh", "v4prep").returncode == 2  # the journey's step, not this one's
 
 
+def test_sweep_bg_outlives_its_call_and_sweep_wait_returns_the_sweep_s_status(tmp_path):
+    """`sweep-bg` starts `sweep` under setsid and returns at once (round 7 ran its sweep that way
+    across three device calls); `sweep-wait` says 3 while it runs, then exits with its status.
+    `vllm-h20` is a stand-in here (the real sweep needs servers): it prints its arguments, waits
+    and fails with 4."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    stand_in = bin_dir / "vllm-h20"
+    stand_in.write_text('#!/bin/sh\necho "ok   args: $*"\nsleep 4\nexit 4\n')
+    stand_in.chmod(0o755)
+    env = {"SH": str(tmp_path / "sh"), "PATH": f"{bin_dir}:/usr/bin:/bin"}
+    spec = "benchmarks/serve_h200/decode-resolve.yaml"
+
+    def run(*args: str, **extra: str) -> subprocess.CompletedProcess:
+        return subprocess.run(["bash", str(HERE / "h200.sh"), *args], capture_output=True,
+                              text=True, env={**env, **extra}, timeout=60, cwd=ROOT)  # fmt: skip
+
+    started = run("sweep-bg", spec, "fix", "stock")
+    assert started.returncode == 0 and "started in the background" in started.stdout
+    assert "already running" in run("sweep-bg", spec, "fix", "stock").stdout
+    waiting = run("sweep-wait", spec, WAIT_S="0")
+    assert waiting.returncode == 3 and "sweep-decode-resolve: still running" in waiting.stdout
+    done = run("sweep-wait", spec, WAIT_S="50")
+    assert done.returncode == 4, done.stdout + done.stderr
+    assert "bench sweep benchmarks/serve_h200/decode-resolve.yaml --target fix=" in done.stdout
+    never = run("sweep-wait", "benchmarks/serve_h200/decode.yaml", WAIT_S="5")
+    assert never.returncode == 1 and "sweep-decode: not running" in never.stdout
+
+
 def test_stage_keeps_what_kernels_build_needs_in_the_boot_tar():
     reqs = stage.requirements()
     assert "vllm==0.26.0" in reqs and "flashinfer-python==0.6.14" in reqs
@@ -324,6 +353,59 @@ def test_report_names_the_gpu_that_ran_and_refuses_a_lease_that_names_none(tmp_p
     assert res.stderr.startswith(f"report: {tarball}: its logs/nvidia-smi.txt")
     assert res.stderr.rstrip().endswith("names no NVIDIA H-series GPU; pass --title")
     assert "Traceback" not in res.stderr
+    assert not out.exists()
+
+
+def test_sweep_steps_take_each_run_s_full_batch_steps_inside_its_window(tmp_path):
+    """The per-run step table counts only decode steps of the tier's full batch that started in
+    that run's GuideLLM window, and sets the baseline's runs against the target's."""
+    import gzip
+
+    def steps(gpu: float, every_ms: float, t0: float) -> list[dict]:
+        out = [{"t": t0 + i * every_ms / 1e3, "tokens": 128, "reqs": 128, "gpu_ms": gpu,
+                "host_ms": 1.0} for i in range(200)]  # fmt: skip
+        # A prefill step and a smaller batch in the window, and full steps outside it: none count.
+        out[50] = {**out[50], "tokens": 900}
+        out[51] = {**out[51], "tokens": 64, "reqs": 64}
+        return out
+
+    runs = tmp_path / "sweeps" / "decode-x" / "runs"
+    logs = {}
+    for target, gpu, every in (("stock", 9.0, 10.0), ("fix", 7.0, 8.0)):
+        (runs / target).mkdir(parents=True)
+        logs[target] = []
+        for r in range(2):
+            t0 = 1000.0 * (r + 1) + (500 if target == "fix" else 0)
+            logs[target] += steps(gpu, every, t0)
+            window = {"start": t0 + 0.1, "end": t0 + 1.5}  # steps 10-150 of this run
+            (runs / target / f"c128-r{r}.json").write_text(json.dumps({
+                "status": "ok", "target": target, "concurrency": 128, "run": r,
+                "guidellm": {"window": window}}))  # fmt: skip
+    (tmp_path / "steps").mkdir()
+    for target, lines in logs.items():
+        body = "".join(json.dumps(x) + "\n" for x in lines).encode()
+        (tmp_path / "steps" / f"{target}.jsonl.gz").write_bytes(gzip.compress(body))
+    table = report._sweep_steps(tmp_path, "stock")
+    stock = next(x for x in table if x.startswith("| decode-x | 128 | stock |"))
+    fix = next(x for x in table if x.startswith("| decode-x | 128 | fix |"))
+    assert "| 2 | 10.00 ms | 9.00 ms | baseline | baseline |" in stock
+    assert "| 2 | 8.00 ms | 7.00 ms | 1.250 (1.250-1.250) | 1.286 (1.286-1.286) |" in fix
+    assert table.index(stock) < table.index(fix)
+
+
+def test_report_refuses_a_python_without_the_package_before_writing(tmp_path, monkeypatch):
+    """Without vllm_h20 importable, report.py stops in one line before it writes anything
+    (round 7 got a traceback with half a results folder written)."""
+    real = report.importlib.util.find_spec
+
+    def find_spec(name, *a):
+        return None if name == "vllm_h20" else real(name, *a)
+
+    monkeypatch.setattr(report.importlib.util, "find_spec", find_spec)
+    out = tmp_path / "out"
+    tarball = pack_published(RESULTS / "round7-h100-sweep", tmp_path / "serve_h200.tar.gz")
+    with pytest.raises(SystemExit, match=r"cannot import vllm_h20: `pip install -e \.`"):
+        report.main([str(tarball), str(out)])
     assert not out.exists()
 
 
