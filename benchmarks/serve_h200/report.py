@@ -341,10 +341,11 @@ def _decode_pairs(steps: list[dict], batch: int, t0: float, t1: float) -> list[t
 
 
 def _sweep_steps(root: Path, baseline: str) -> list[str]:
-    """Each sweep run's decode steps, from the engines' step logs inside that run's GuideLLM
-    window: the median interval between steps of the tier's full batch and their median GPU
-    time, per run; then the baseline's over each target's, a Welch 95 % CI over runs. It says
-    how much of a GPU-step change reaches the wall clock while the sweep measures."""
+    """Each sweep run's engine steps, from the engines' step logs inside that run's GuideLLM
+    window: the median interval between decode steps of the tier's full batch and their median
+    GPU time; then the baseline's over each target's, a Welch 95 % CI over runs; then each
+    run's counts, and how its throughput follows them. It says how much of a GPU-step change
+    reaches the wall clock while the sweep measures, and what sets the runs' spread."""
     from vllm_h20.bench.stats import welch_ratio_ci
 
     logs = {p.name.removesuffix(".jsonl.gz"): p for p in (root / "steps").glob("*.jsonl.gz")}
@@ -353,23 +354,31 @@ def _sweep_steps(root: Path, baseline: str) -> list[str]:
         return []
     steps = {t: [json.loads(x) for x in gzip.decompress(p.read_bytes()).splitlines()]
              for t, p in logs.items()}  # fmt: skip
-    # {(sweep, concurrency): {target: [(interval ms, GPU ms) per run]}}
-    cells: dict[tuple[str, int], dict[str, list[tuple[float, float]]]] = collections.defaultdict(
-        lambda: collections.defaultdict(list)
-    )
+    per_run = []
     for f in runs:
         r = json.loads(f.read_text())
         window = (r.get("guidellm") or {}).get("window")
         if r.get("status") != "ok" or not window or r["target"] not in steps:
             continue
-        pairs = _decode_pairs(steps[r["target"]], r["concurrency"], window["start"], window["end"])
+        t0, t1 = window["start"], window["end"]
+        pairs = _decode_pairs(steps[r["target"]], r["concurrency"], t0, t1)
         if len(pairs) < 2:
             continue
-        cells[(f.parents[2].name, r["concurrency"])][r["target"]].append(
-            (statistics.median((c["t"] - a["t"]) * 1e3 for a, c in pairs),
-             statistics.median(a["gpu_ms"] for a, _ in pairs)))  # fmt: skip
-    if not cells:
+        inside = [x for x in steps[r["target"]] if t0 <= x["t"] <= t1]
+        per_run.append({
+            "cell": (f.parents[2].name, r["concurrency"]), "target": r["target"],
+            "run": r["run"], "started": r["started"], "throughput": r["throughput"],
+            "steps": len(inside), "decode": sum(x["tokens"] == x["reqs"] for x in inside),
+            "full": len(pairs),
+            "interval": statistics.median((c["t"] - a["t"]) * 1e3 for a, c in pairs),
+            "gpu": statistics.median(a["gpu_ms"] for a, _ in pairs)})  # fmt: skip
+    if not per_run:
         return []
+    cells: dict[tuple[str, int], dict[str, list[dict]]] = collections.defaultdict(
+        lambda: collections.defaultdict(list)
+    )
+    for x in per_run:
+        cells[x["cell"]][x["target"]].append(x)
     lines = ["## Decode steps inside each sweep run's window (`steps/*.jsonl.gz`)", "",
              "Per run: the median interval between consecutive decode steps of the tier's full "
              "batch, and their median GPU time, over the steps that started inside the run's "
@@ -392,12 +401,39 @@ def _sweep_steps(root: Path, baseline: str) -> list[str]:
     for (sweep, conc), by in sorted(cells.items()):
         base = by.get(baseline, [])
         for target, vals in sorted(by.items(), key=lambda kv: kv[0] != baseline):
-            iv, gpu = [v[0] for v in vals], [v[1] for v in vals]
+            iv, gpu = [v["interval"] for v in vals], [v["gpu"] for v in vals]
             rel = ("baseline", "baseline") if target == baseline else (
-                ratio([b[0] for b in base], iv), ratio([b[1] for b in base], gpu))  # fmt: skip
+                ratio([b["interval"] for b in base], iv),
+                ratio([b["gpu"] for b in base], gpu))  # fmt: skip
             lines.append(f"| {sweep} | {conc} | {target} | {len(vals)} | "
                          f"{statistics.fmean(iv):.2f} ms | {statistics.fmean(gpu):.2f} ms | "
                          f"{rel[0]} | {rel[1]} |")  # fmt: skip
+    lines += ["", "Each run, in the order it ran: its throughput (vLLM's counters), the engine "
+              "steps that started inside its window, how many of them were pure decode "
+              "(no prefill riding along), how many pairs of consecutive decode steps ran the "
+              "full batch (the two columns after it are medians over those), and Pearson's r "
+              "of the throughput with the steps and with the interval over all runs of the "
+              "tier.", "",
+              "| sweep | concurrency | target | run | output tok/s | steps | decode steps "
+              "| full-batch pairs | interval | GPU |",
+              "|---|---:|---|---|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
+    for (sweep, conc), by in sorted(cells.items()):
+        rows = sorted((x for v in by.values() for x in v), key=lambda x: x["started"])
+        for x in rows:
+            lines.append(
+                f"| {sweep} | {conc} | {x['target']} | r{x['run']} | {x['throughput']:,.0f} | "
+                f"{x['steps']:,} | {x['decode']:,} | {x['full']:,} | {x['interval']:.2f} ms | "
+                f"{x['gpu']:.2f} ms |"
+            )
+        thr = [x["throughput"] for x in rows]
+        try:
+            r_steps = statistics.correlation(thr, [x["steps"] for x in rows])
+            r_iv = statistics.correlation(thr, [x["interval"] for x in rows])
+        except statistics.StatisticsError:  # fewer than 2 runs, or a constant column
+            continue
+        lines += ["", f"{sweep}, concurrency {conc}: throughput against steps in the window "
+                  f"r = {r_steps:.2f}, against the full-batch interval r = {r_iv:.2f} "
+                  f"({len(rows)} runs).", ""]  # fmt: skip
     return [*lines, ""]
 
 

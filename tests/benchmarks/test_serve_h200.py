@@ -380,6 +380,7 @@ def test_sweep_steps_take_each_run_s_full_batch_steps_inside_its_window(tmp_path
             window = {"start": t0 + 0.1, "end": t0 + 1.5}  # steps 10-150 of this run
             (runs / target / f"c128-r{r}.json").write_text(json.dumps({
                 "status": "ok", "target": target, "concurrency": 128, "run": r,
+                "started": t0, "throughput": 1000.0 + 100 * r + (50 if target == "fix" else 0),
                 "guidellm": {"window": window}}))  # fmt: skip
     (tmp_path / "steps").mkdir()
     for target, lines in logs.items():
@@ -391,6 +392,13 @@ def test_sweep_steps_take_each_run_s_full_batch_steps_inside_its_window(tmp_path
     assert "| 2 | 10.00 ms | 9.00 ms | baseline | baseline |" in stock
     assert "| 2 | 8.00 ms | 7.00 ms | 1.250 (1.250-1.250) | 1.286 (1.286-1.286) |" in fix
     assert table.index(stock) < table.index(fix)
+    # Each run in the order it ran. fix's r0: steps every 8 ms, 175 of them inside its window,
+    # one a prefill; the full-batch pairs lose the three that touch the prefill or the batch of 64.
+    runs_in_order = [x for x in table if x.startswith("| decode-x | 128 |") and "| r" in x]
+    assert [x.split(" | ")[2:4] for x in runs_in_order] == [
+        ["stock", "r0"], ["fix", "r0"], ["stock", "r1"], ["fix", "r1"]]  # fmt: skip
+    assert "| r0 | 1,050 | 175 | 174 | 171 | 8.00 ms | 7.00 ms |" in runs_in_order[1]
+    assert any(x.startswith("decode-x, concurrency 128: throughput against") for x in table)
 
 
 def test_report_refuses_a_python_without_the_package_before_writing(tmp_path, monkeypatch):
