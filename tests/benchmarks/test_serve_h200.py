@@ -134,7 +134,7 @@ def test_sweep_bg_outlives_its_call_and_sweep_wait_returns_the_sweep_s_status(tm
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     stand_in = bin_dir / "vllm-h20"
-    stand_in.write_text('#!/bin/sh\necho "ok   args: $*"\nsleep 4\nexit 4\n')
+    stand_in.write_text('#!/bin/sh\necho "ok   args: $*"\nsleep 8\nexit 4\n')
     stand_in.chmod(0o755)
     env = {"SH": str(tmp_path / "sh"), "PATH": f"{bin_dir}:/usr/bin:/bin"}
     spec = "benchmarks/serve_h200/decode-resolve.yaml"
@@ -377,7 +377,7 @@ def test_sweep_steps_take_each_run_s_full_batch_steps_inside_its_window(tmp_path
         for r in range(2):
             t0 = 1000.0 * (r + 1) + (500 if target == "fix" else 0)
             logs[target] += steps(gpu, every, t0)
-            window = {"start": t0 + 0.1, "end": t0 + 1.5}  # steps 10-150 of this run
+            window = {"start": t0 + 0.1, "end": t0 + 1.5}  # 0.1-1.5 s into its steps
             (runs / target / f"c128-r{r}.json").write_text(json.dumps({
                 "status": "ok", "target": target, "concurrency": 128, "run": r,
                 "started": t0, "throughput": 1000.0 + 100 * r + (50 if target == "fix" else 0),
