@@ -98,9 +98,10 @@ def summary(root: Path, reports: dict[str, Path], title: str, baseline: str = "s
     lines += _correctness(chk)
     lines += _routing(chk)
     lines += _steptimes(root)
-    lines += _step_intervals(root / "steps")
+    steps = _read_steps(root / "steps")
+    lines += _step_intervals(steps)
     lines += _sweeps(reports)
-    lines += _sweep_steps(root, baseline)
+    lines += _sweep_steps(root, steps, baseline)
     return "\n".join(lines) + "\n"
 
 
@@ -242,12 +243,27 @@ def _steptimes(root: Path) -> list[str]:
     return lines
 
 
-def _step_intervals(steps_dir: Path, batches: tuple[int, ...] = (64, 128, 256)) -> list[str]:
+def _read_steps(steps_dir: Path) -> dict[str, list[dict]]:
+    """{server: its engine steps in time order} from the published step logs
+    (`steps/SERVER.jsonl.gz`, written by _keep_step_logs), read once for every table."""
+    logs = sorted(steps_dir.glob("*.jsonl.gz")) if steps_dir.exists() else []
+    return {log.name.removesuffix(".jsonl.gz"):
+            [json.loads(x) for x in gzip.decompress(log.read_bytes()).splitlines()]
+            for log in logs}  # fmt: skip
+
+
+def _ci_cell(ci) -> str:
+    """A ratio with its 95 % CI, marked when the CI spans 1."""
+    return f"{ci.ratio:.3f} ({ci.low:.3f}-{ci.high:.3f}{'' if ci.resolved else ', not resolved'})"
+
+
+def _step_intervals(
+    steps: dict[str, list[dict]], batches: tuple[int, ...] = (64, 128, 256)
+) -> list[str]:
     """Where a decode step's time goes, from the engines' step logs: per server and batch, the
     interval between consecutive steps that both ran exactly B requests (under 0.5 s apart: the
     same batch), beside the GPU's and the host's time of a step (medians, 10-90 % range)."""
-    logs = sorted(steps_dir.glob("*.jsonl.gz")) if steps_dir.exists() else []
-    if not logs:
+    if not steps:
         return []
     lines = ["## Step interval, GPU and host time per decode step (`steps/*.jsonl.gz`)", "",
              "Every decode step of the lease that ran exactly B requests and was followed by "
@@ -262,14 +278,13 @@ def _step_intervals(steps_dir: Path, batches: tuple[int, ...] = (64, 128, 256)) 
         q = statistics.quantiles(v, n=10)
         return f"{statistics.median(v):.2f} ms ({q[0]:.2f}-{q[-1]:.2f})"
 
-    for log in logs:
-        steps = [json.loads(x) for x in gzip.decompress(log.read_bytes()).splitlines()]
+    for server, log in steps.items():
         for b in batches:
-            pairs = _decode_pairs(steps, b, -math.inf, math.inf)
+            pairs = _decode_pairs(log, b, -math.inf, math.inf)
             if len(pairs) < 2:
                 continue
             iv = [(c["t"] - a["t"]) * 1e3 for a, c in pairs]
-            lines.append(f"| {log.name.removesuffix('.jsonl.gz')} | {b} | {len(pairs)} | "
+            lines.append(f"| {server} | {b} | {len(pairs)} | "
                          f"{spread(iv)} | {spread([a['gpu_ms'] for a, _ in pairs])} | "
                          f"{spread([a['host_ms'] for a, _ in pairs])} |")  # fmt: skip
     return [*lines, ""]
@@ -315,8 +330,7 @@ def _ratio_table(res: dict, key: str, to_ms: float) -> list[str]:
             except ValueError:  # a difference of two walls that noise made <= 0
                 cells.append("not resolved (a sample <= 0)")
                 continue
-            verdict = "" if ci.resolved else ", not resolved"
-            cells.append(f"{ci.ratio:.3f} ({ci.low:.3f}-{ci.high:.3f}{verdict})")
+            cells.append(_ci_cell(ci))
         lines.append(f"| {shape} | {len(reps)} | " + " | ".join(cells) + " |")
     return [*lines, ""]
 
@@ -340,7 +354,7 @@ def _decode_pairs(steps: list[dict], batch: int, t0: float, t1: float) -> list[t
             and c["t"] - a["t"] < 0.5]  # fmt: skip
 
 
-def _sweep_steps(root: Path, baseline: str) -> list[str]:
+def _sweep_steps(root: Path, steps: dict[str, list[dict]], baseline: str) -> list[str]:
     """Each sweep run's engine steps, from the engines' step logs inside that run's GuideLLM
     window: the median interval between decode steps of the tier's full batch and their median
     GPU time; then the baseline's over each target's, a Welch 95 % CI over runs; then each
@@ -348,12 +362,9 @@ def _sweep_steps(root: Path, baseline: str) -> list[str]:
     reaches the wall clock while the sweep measures, and what sets the runs' spread."""
     from vllm_h20.bench.stats import welch_ratio_ci
 
-    logs = {p.name.removesuffix(".jsonl.gz"): p for p in (root / "steps").glob("*.jsonl.gz")}
     runs = sorted((root / "sweeps").glob("*/runs/*/c*-r*.json"))
-    if not logs or not runs:
+    if not steps or not runs:
         return []
-    steps = {t: [json.loads(x) for x in gzip.decompress(p.read_bytes()).splitlines()]
-             for t, p in logs.items()}  # fmt: skip
     per_run = []
     for f in runs:
         r = json.loads(f.read_text())
@@ -393,10 +404,7 @@ def _sweep_steps(root: Path, baseline: str) -> list[str]:
     def ratio(base: list[float], other: list[float]) -> str:
         if len(base) < 2 or len(other) < 2:
             return "n < 2"
-        ci = welch_ratio_ci(base, other)
-        return (
-            f"{ci.ratio:.3f} ({ci.low:.3f}-{ci.high:.3f}{'' if ci.resolved else ', not resolved'})"
-        )
+        return _ci_cell(welch_ratio_ci(base, other))
 
     for (sweep, conc), by in sorted(cells.items()):
         base = by.get(baseline, [])

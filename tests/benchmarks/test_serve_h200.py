@@ -386,7 +386,7 @@ def test_sweep_steps_take_each_run_s_full_batch_steps_inside_its_window(tmp_path
     for target, lines in logs.items():
         body = "".join(json.dumps(x) + "\n" for x in lines).encode()
         (tmp_path / "steps" / f"{target}.jsonl.gz").write_bytes(gzip.compress(body))
-    table = report._sweep_steps(tmp_path, "stock")
+    table = report._sweep_steps(tmp_path, report._read_steps(tmp_path / "steps"), "stock")
     stock = next(x for x in table if x.startswith("| decode-x | 128 | stock |"))
     fix = next(x for x in table if x.startswith("| decode-x | 128 | fix |"))
     assert "| 2 | 10.00 ms | 9.00 ms | baseline | baseline |" in stock
