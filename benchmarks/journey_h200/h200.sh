@@ -85,23 +85,20 @@ v4prep)
         echo "v4prep: done"; cat "$SH/logs/v4-release.txt" "$SH/logs/v4-convert.txt" 2>/dev/null
         exit 0
     fi
-    setsid bash -c "bash $repo/benchmarks/journey_h200/h200.sh v4release && \
-        V4VERIFY=${V4VERIFY:-1} bash $repo/benchmarks/journey_h200/h200.sh v4convert" \
-        < /dev/null > "$SH/logs/v4prep.log" 2>&1 &
-    echo $! > "$SH/v4prep.pid"
+    start_bg v4prep "$SH/logs/v4prep.log" bash -c "bash $repo/benchmarks/journey_h200/h200.sh \
+        v4release && V4VERIFY=${V4VERIFY:-1} bash $repo/benchmarks/journey_h200/h200.sh v4convert"
     echo "v4prep: started (logs/v4prep.log)"
     ;;
 v4probe)
     # Issue 4/4's first look, in the background while nothing is measured: does vLLM 0.26 run
     # a small DeepSeek-V4 (dummy weights) here, with MXFP4 and with FP8 experts?
     running v4probe && { echo "v4 probe: running"; exit 0; }
-    setsid bash -c "python3 benchmarks/journey_h200/v4_probe.py $SH/check/v4 --expert-dtype fp4 \
-            > $SH/logs/v4-fp4.log 2>&1; python3 benchmarks/journey_h200/v4_probe.py $SH/check/v4 \
-            --expert-dtype fp8 --moe-backend flashinfer_cutlass > $SH/logs/v4-fp8.log 2>&1; \
+    start_bg v4probe /dev/null bash -c "python3 benchmarks/journey_h200/v4_probe.py $SH/check/v4 \
+            --expert-dtype fp4 > $SH/logs/v4-fp4.log 2>&1; \
+            python3 benchmarks/journey_h200/v4_probe.py $SH/check/v4 --expert-dtype fp8 \
+            --moe-backend flashinfer_cutlass > $SH/logs/v4-fp8.log 2>&1; \
             python3 benchmarks/journey_h200/v4_probe.py $SH/check/v4 --expert-dtype fp4 \
-            --moe-backend humming > $SH/logs/v4-fp4-humming.log 2>&1" \
-        < /dev/null > /dev/null 2>&1 &
-    echo $! > "$SH/v4probe.pid"
+            --moe-backend humming > $SH/logs/v4-fp4-humming.log 2>&1"
     echo "v4 probe: started"
     ;;
 *) exec bash "$repo/benchmarks/serve_h200/h200.sh" "$step" "$@" ;;

@@ -34,9 +34,16 @@ ncpu=$(nproc)
 SERVER_CPUS=${SERVER_CPUS:-0-$(( ncpu > 8 ? ncpu - 5 : ncpu - 1 ))}
 CLIENT_CPUS=${CLIENT_CPUS:-$(( ncpu > 8 ? ncpu - 4 : 0 ))-$(( ncpu - 1 ))}
 pin() { if command -v taskset >/dev/null; then echo taskset -c "$1"; fi; }
-# Whether a background step (v4prep, v4probe) still runs: its pid file, not pgrep -f, since a
-# caller's own command line may name the step.
+# Whether a background step (v4prep, v4probe, sweep-bg) still runs: its pid file, not pgrep -f,
+# since a caller's own command line may name the step.
 running() { [ -f "$SH/$1.pid" ] && kill -0 "$(cat "$SH/$1.pid")" 2>/dev/null; }
+# Start a background step NAME: the command under setsid (it outlives the device call), its
+# output to LOG, its pid where `running` looks.
+start_bg() {
+    local name=$1 log=$2; shift 2
+    setsid "$@" < /dev/null > "$log" 2>&1 &
+    echo $! > "$SH/$name.pid"
+}
 # Cache entries with their modification times (when each kernel was compiled), oldest first.
 list_by_time() { local dir=$1 out=$2; shift 2
     find "$dir" "$@" -printf '%TY-%Tm-%Td %TH:%TM:%.2TS %s %P\n' 2>/dev/null | sort > "$SH/logs/$out"; }

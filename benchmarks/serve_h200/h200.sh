@@ -47,6 +47,8 @@ SERVERS=${SERVERS:-$repo/benchmarks/serve_h200/servers.sh}
 source "$SERVERS"
 export SERVERS  # steps that call this script again keep the same table
 healthy() { curl -sf -m 2 "localhost:$(port "$1")/health" >/dev/null; }
+# A sweep's folder name under $SH/sweeps: the spec's, and $TAG for another set of targets.
+sweep_name() { echo "$(basename "$1" .yaml)${TAG:+-$TAG}"; }
 # Clocks, power, temperature and utilization once a second, appended to $1 in the background
 # while a measuring step runs (a throttled stretch shows); its pid in $smi, to kill after.
 log_gpu() {
@@ -191,7 +193,7 @@ steptime)
 sweep)
     spec=${1:?spec}; shift
     targets=(); for n in "$@"; do targets+=(--target "$n=http://127.0.0.1:$(port "$n")"); done
-    name=$(basename "$spec" .yaml)${TAG:+-$TAG}   # TAG: another set of targets, same spec
+    name=$(sweep_name "$spec")
     resume=(); [ -d "$SH/sweeps/$name" ] && resume=(--resume)
     # Beside the sweep's folder, not in it: `bench sweep` refuses a folder that is not a sweep.
     log_gpu "$SH/sweeps/nvidia-smi-$name.csv"
@@ -205,16 +207,15 @@ sweep)
 sweep-bg)
     # A sweep run takes 90-107 s; one cut by the end of a device call is lost and run again. In
     # the background it goes on between calls (a machine is kept while calls follow at once).
-    spec=${1:?spec}; name=sweep-$(basename "$spec" .yaml)${TAG:+-$TAG}
+    spec=${1:?spec}; name=sweep-$(sweep_name "$spec")
     if running "$name"; then echo "$name: already running (pid $(cat "$SH/$name.pid"))"; exit 0; fi
     rm -f "$SH/$name.rc"
-    RC="$SH/$name.rc" setsid bash -c 'bash "$0" sweep "$@"; echo $? > "$RC"' \
-        "$repo/benchmarks/serve_h200/h200.sh" "$@" > "$SH/logs/$name.log" 2>&1 < /dev/null &
-    echo $! > "$SH/$name.pid"
-    echo "$name: started in the background (pid $!); log $SH/logs/$name.log"
+    RC="$SH/$name.rc" start_bg "$name" "$SH/logs/$name.log" \
+        bash -c 'bash "$0" sweep "$@"; echo $? > "$RC"' "$repo/benchmarks/serve_h200/h200.sh" "$@"
+    echo "$name: started in the background (pid $(cat "$SH/$name.pid")); log $SH/logs/$name.log"
     ;;
 sweep-wait)
-    spec=${1:?spec}; name=sweep-$(basename "$spec" .yaml)${TAG:+-$TAG}
+    spec=${1:?spec}; name=sweep-$(sweep_name "$spec")
     deadline=$(( $(date +%s) + ${WAIT_S:-540} ))
     until [ -f "$SH/$name.rc" ]; do
         # (the status is written as the sweep ends: look for it once more before calling it lost)
