@@ -30,6 +30,9 @@ REPO = HERE.parents[1]
 RESULTS = REPO / "benchmarks" / "results"
 KERNEL_RUN = RESULTS / "moe_dispatch" / "hot-first-h200"
 ROUND = RESULTS / "serve_h200" / "round5-gpu-step-time"
+# The first sweep with the engine GPU-bound (4 MoE layers of 5): its step times and clocks.
+ROUND8 = RESULTS / "serve_h200" / "round8-h200-l5-sweep"
+L5_STEPS = ROUND8 / "steptime" / "l5" / "steptime.json"
 PROFILES = ROUND / "check"
 LAYERS = 40  # V4.1-Flash has 40 layers; all counted as MoE layers (an upper bound on MoE time)
 TP = 8
@@ -73,17 +76,30 @@ def rest_per_layer_h200(profiles: Path = PROFILES) -> float:
     return (prof["kernel_us_total"] - moe) * 1e-6 / PROFILED_STEPS / TEST_MODEL_LAYERS
 
 
-def measured_h200(batch: int, run: Path = ROUND) -> str:
-    """Round 5's GPU decode step at `batch`, stock over fix, paired by repeat (95 % CI), paired
-    as report.py pairs them for the round's summary."""
+def measured_h200(batch: int, steptime: Path = ROUND / "steptime" / "steptime.json") -> str:
+    """A round's GPU decode step at `batch` (round 5's by default), stock over fix, paired by
+    repeat (95 % CI), paired as report.py pairs them for the round's summary."""
     sys.path.insert(0, str(REPO))
     from vllm_h20.bench.stats import paired_ratio_ci
 
     pairing = _load(HERE / "report.py", "serve_h200_report").paired_by_repeat
-    res = json.loads((run / "steptime" / "steptime.json").read_text())
+    res = json.loads(steptime.read_text())
     by = pairing(res, f"decode-{batch}", "gpu_step_ms")
     ci = paired_ratio_ci(list(by["stock"].values()), list(by["fix"].values()))
     return f"{ci.ratio:.2f}x ({ci.low:.2f}-{ci.high:.2f}, n {ci.n})"
+
+
+def clocks_h200(run: Path = ROUND8) -> str:
+    """Each arm's SM clock and board power over the sweep windows of `run` (the range of the
+    per-run means), from the lease's nvidia-smi log, as report.py reads them."""
+    rows = _load(HERE / "report.py", "serve_h200_report").window_clocks(run)
+    out = []
+    for target in ("stock", "fix"):
+        runs = [v for (_, _, t), vals in rows.items() if t == target for v in vals]
+        clock, power = [v[0] for v in runs], [v[2] for v in runs]
+        out.append(f"{target} {min(clock):,.0f}-{max(clock):,.0f} MHz at "
+                   f"{min(power):,.0f}-{max(power):,.0f} W")  # fmt: skip
+    return ", ".join(out)
 
 
 def render() -> str:
@@ -137,7 +153,12 @@ def render() -> str:
         "in the stock / fix column. The H200 measured stock / fix on its decode step's GPU time "
         f"{measured_h200(128)} at batch 128 and {measured_h200(256)} at 256 (round 5, 2 MoE "
         "layers of 3); smaller, because an H200's tensor cores make stock's padded MMA work "
-        "cheap.",
+        f"cheap. With 4 MoE layers of 5 (round 8) it measured {measured_h200(128, L5_STEPS)} "
+        f"at 128 and {measured_h200(256, L5_STEPS)} at 256, with stock at the H200's 700 W "
+        f"power cap: over round 8's sweep windows, {clocks_h200()}. So part of the H200's "
+        "ratio is a lower clock for stock's extra MMA work; the H20 model has no clock or "
+        "power term, and how an H20 (another power cap over 78 SMs) would clock each arm was "
+        "not measured.",
         "",
     ]
     return "\n".join(lines)

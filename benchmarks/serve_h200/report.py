@@ -102,6 +102,8 @@ def summary(root: Path, reports: dict[str, Path], title: str, baseline: str = "s
     lines += _step_intervals(steps)
     lines += _sweeps(reports)
     lines += _sweep_steps(root, steps, baseline)
+    lines += _mixed_steps(root, steps, baseline)
+    lines += _window_clocks(root, baseline)
     return "\n".join(lines) + "\n"
 
 
@@ -354,6 +356,156 @@ def _decode_pairs(steps: list[dict], batch: int, t0: float, t1: float) -> list[t
             and c["t"] - a["t"] < 0.5]  # fmt: skip
 
 
+def _within(rows: list[dict], key: str) -> list[float]:
+    """Each run's `key` less its target's mean over the runs: the pooled within-arm
+    deviations, so a correlation over them is not made by the gap between the arms."""
+    means = {t: statistics.fmean(x[key] for x in rows if x["target"] == t)
+             for t in {x["target"] for x in rows}}  # fmt: skip
+    return [x[key] - means[x["target"]] for x in rows]
+
+
+def _r(a: list[float], b: list[float]) -> str:
+    """Pearson's r of two columns of deviations, or why there is none: a column that does not
+    move (a step interval logged to 0.1 ms can be the same median in every run) has no r, and
+    float rounding must not make one up."""
+    if max(map(abs, a)) < 1e-9 or max(map(abs, b)) < 1e-9:
+        return "r: none (a column has no spread)"
+    return f"r = {statistics.correlation(a, b):.2f}"
+
+
+def _sweep_runs(root: Path, steps: dict[str, list[dict]]):
+    """Each finished sweep run whose target logged steps: (sweep name, its run record, the
+    steps that started inside its GuideLLM window)."""
+    for f in sorted((root / "sweeps").glob("*/runs/*/c*-r*.json")) if steps else []:
+        r = json.loads(f.read_text())
+        window = (r.get("guidellm") or {}).get("window")
+        if r.get("status") != "ok" or not window or r["target"] not in steps:
+            continue
+        t0, t1 = window["start"], window["end"]
+        yield f.parents[2].name, r, [x for x in steps[r["target"]] if t0 <= x["t"] <= t1]
+
+
+# Scheduled-token bins of the mixed steps (a decode batch with prefill chunks riding along):
+# above the recipe's 256-token CUDA graphs, where the forward runs eager.
+MIXED_BINS = ((256, 512), (512, 768), (768, 1024), (1024, 1280))
+
+
+def _mixed_steps(root: Path, steps: dict[str, list[dict]], baseline: str) -> list[str]:
+    """The steps of each sweep run that carried prefill tokens beside the decode batch, binned
+    by scheduled tokens: each run's median GPU and host time per bin, and the baseline's over
+    each target's with a Welch 95 % CI over runs. It is the prefill-chunk A/B taken under load,
+    where an eager forward's CUDA events time the GPU only if the host issued faster than the GPU
+    ran (host below GPU in the table)."""
+    from vllm_h20.bench.stats import welch_ratio_ci
+
+    cells: dict[tuple, dict[str, list[tuple[float, float, float]]]] = collections.defaultdict(
+        lambda: collections.defaultdict(list)
+    )
+    for sweep, r, inside in _sweep_runs(root, steps):
+        for lo, hi in MIXED_BINS:
+            got = [x for x in inside if x["tokens"] > x["reqs"] and lo <= x["tokens"] < hi
+                   and "gpu_ms" in x]  # fmt: skip
+            if len(got) >= 5:
+                cells[(sweep, r["concurrency"], lo, hi)][r["target"]].append((
+                    statistics.median(x["gpu_ms"] for x in got),
+                    statistics.median(x["host_ms"] for x in got),
+                    statistics.median(x["tokens"] for x in got)))  # fmt: skip
+    if not cells:
+        return []
+    lines = ["## Mixed steps inside each sweep run's window (`steps/*.jsonl.gz`)", "",
+             "Steps that carried prefill tokens beside the decode batch, by scheduled tokens "
+             "(eager forward above the 256-token CUDA graphs), in runs with at least 5 such "
+             "steps: the runs' mean of each run's median tokens, GPU and host time; then the "
+             "baseline's "
+             "GPU time over each target's, a Welch 95 % CI over runs (above 1: the target's "
+             "step is shorter). Host time below GPU time: the GPU set the pace and its CUDA "
+             "events time the kernels, not the host's issue rate.", "",
+             "| sweep | concurrency | tokens | target | runs | median tokens | GPU | host "
+             "| GPU ratio |",
+             "|---|---:|---|---|---:|---:|---:|---:|---|"]  # fmt: skip
+    for (sweep, conc, lo, hi), by in sorted(cells.items()):
+        base = [v[0] for v in by.get(baseline, [])]
+        for target, vals in sorted(by.items(), key=lambda kv: kv[0] != baseline):
+            gpu = [v[0] for v in vals]
+            if target == baseline:
+                rel = "baseline"
+            elif len(base) < 2 or len(gpu) < 2:
+                rel = "n < 2"
+            else:
+                rel = _ci_cell(welch_ratio_ci(base, gpu))
+            lines.append(f"| {sweep} | {conc} | {lo}-{hi - 1} | {target} | {len(vals)} | "
+                         f"{statistics.fmean(v[2] for v in vals):.0f} | "
+                         f"{statistics.fmean(gpu):.2f} ms | "
+                         f"{statistics.fmean(v[1] for v in vals):.2f} ms | {rel} |")  # fmt: skip
+    return [*lines, ""]
+
+
+def _smi_samples(csv_path: Path) -> list[tuple[float, float, float]]:
+    """(Unix time, SM clock MHz, power W) of each row `log_gpu` wrote. nvidia-smi prints the
+    machine's local time, which is UTC on the lent machines (their windows line up with it)."""
+    import datetime
+
+    out = []
+    for line in csv_path.read_text(errors="replace").splitlines():
+        cells = [c.strip() for c in line.split(",")]
+        try:
+            when = datetime.datetime.strptime(cells[0], "%Y/%m/%d %H:%M:%S.%f")
+            clock, power = float(cells[1].split()[0]), float(cells[3].split()[0])
+        except (ValueError, IndexError):  # the header, a cut last line, "[N/A]"
+            continue
+        out.append((when.replace(tzinfo=datetime.UTC).timestamp(), clock, power))
+    return out
+
+
+def window_clocks(root: Path) -> dict[tuple[str, int, str], list[tuple[float, ...]]]:
+    """Per (sweep, concurrency, target), each run's (mean SM clock, lowest clock, mean power,
+    highest power) over the nvidia-smi samples inside its GuideLLM window: a kernel that draws
+    the board to its power cap runs at a lower clock, and that is part of any step-time
+    difference measured on the same GPU."""
+    rows: dict[tuple[str, int, str], list[tuple[float, ...]]] = collections.defaultdict(list)
+    for csv_path in sorted((root / "sweeps").glob("nvidia-smi-*.csv")):
+        sweep = csv_path.stem.removeprefix("nvidia-smi-")
+        samples = _smi_samples(csv_path)
+        for f in sorted((root / "sweeps" / sweep / "runs").glob("*/c*-r*.json")):
+            r = json.loads(f.read_text())
+            window = (r.get("guidellm") or {}).get("window")
+            if r.get("status") != "ok" or not window:
+                continue
+            got = [(c, p) for t, c, p in samples if window["start"] <= t <= window["end"]]
+            if len(got) < 5:
+                continue
+            rows[(sweep, r["concurrency"], r["target"])].append((
+                statistics.fmean(c for c, _ in got), min(c for c, _ in got),
+                statistics.fmean(p for _, p in got), max(p for _, p in got)))  # fmt: skip
+    return rows
+
+
+def _window_clocks(root: Path, baseline: str) -> list[str]:
+    """window_clocks as a table, the baseline first in each cell."""
+    rows = window_clocks(root)
+    if not rows:
+        return []
+    lines = ["## Clocks and power inside each sweep run's window (`sweeps/nvidia-smi-*.csv`)", "",
+             "nvidia-smi once a second: per run, the mean SM clock and board power over the "
+             "samples inside its GuideLLM window; the range of those means over runs, the "
+             "lowest clock and the highest power sampled in any of them.", "",
+             "| sweep | concurrency | target | runs | SM clock, mean per run | lowest "
+             "| power, mean per run | highest |",
+             "|---|---:|---|---:|---|---:|---|---:|"]  # fmt: skip
+
+    def span(xs: list[float], unit: str) -> str:
+        lo, hi = min(xs), max(xs)
+        return f"{lo:,.0f} {unit}" if round(lo) == round(hi) else f"{lo:,.0f}-{hi:,.0f} {unit}"
+
+    for (sweep, conc, target), vals in sorted(rows.items(), key=lambda kv: (
+            kv[0][0], kv[0][1], kv[0][2] != baseline, kv[0][2])):  # fmt: skip
+        clock, power = span([v[0] for v in vals], "MHz"), span([v[2] for v in vals], "W")
+        lines.append(f"| {sweep} | {conc} | {target} | {len(vals)} | {clock} | "
+                     f"{min(v[1] for v in vals):,.0f} MHz | {power} | "
+                     f"{max(v[3] for v in vals):,.0f} W |")  # fmt: skip
+    return [*lines, ""]
+
+
 def _sweep_steps(root: Path, steps: dict[str, list[dict]], baseline: str) -> list[str]:
     """Each sweep run's engine steps, from the engines' step logs inside that run's GuideLLM
     window: the median interval between decode steps of the tier's full batch and their median
@@ -362,22 +514,14 @@ def _sweep_steps(root: Path, steps: dict[str, list[dict]], baseline: str) -> lis
     reaches the wall clock while the sweep measures, and what sets the runs' spread."""
     from vllm_h20.bench.stats import welch_ratio_ci
 
-    runs = sorted((root / "sweeps").glob("*/runs/*/c*-r*.json"))
-    if not steps or not runs:
-        return []
     per_run = []
-    for f in runs:
-        r = json.loads(f.read_text())
-        window = (r.get("guidellm") or {}).get("window")
-        if r.get("status") != "ok" or not window or r["target"] not in steps:
-            continue
-        t0, t1 = window["start"], window["end"]
+    for sweep, r, inside in _sweep_runs(root, steps):
+        t0, t1 = r["guidellm"]["window"]["start"], r["guidellm"]["window"]["end"]
         pairs = _decode_pairs(steps[r["target"]], r["concurrency"], t0, t1)
         if len(pairs) < 2:
             continue
-        inside = [x for x in steps[r["target"]] if t0 <= x["t"] <= t1]
         per_run.append({
-            "cell": (f.parents[2].name, r["concurrency"]), "target": r["target"],
+            "cell": (sweep, r["concurrency"]), "target": r["target"],
             "run": r["run"], "started": r["started"], "throughput": r["throughput"],
             "steps": len(inside), "decode": sum(x["tokens"] == x["reqs"] for x in inside),
             "full": len(pairs),
@@ -421,7 +565,8 @@ def _sweep_steps(root: Path, steps: dict[str, list[dict]], baseline: str) -> lis
               "(no prefill riding along), how many pairs of consecutive decode steps ran the "
               "full batch (the two columns after it are medians over those), and Pearson's r "
               "of the throughput with the steps and with the interval over all runs of the "
-              "tier.", "",
+              "tier, each run taken from its target's mean (so r says what moves runs of one "
+              "arm, not that the arms differ).", "",
               "| sweep | concurrency | target | run | output tok/s | steps | decode steps "
               "| full-batch pairs | interval | GPU |",
               "|---|---:|---|---|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
@@ -433,15 +578,12 @@ def _sweep_steps(root: Path, steps: dict[str, list[dict]], baseline: str) -> lis
                 f"{x['steps']:,} | {x['decode']:,} | {x['full']:,} | {x['interval']:.2f} ms | "
                 f"{x['gpu']:.2f} ms |"
             )
-        thr = [x["throughput"] for x in rows]
-        try:
-            r_steps = statistics.correlation(thr, [x["steps"] for x in rows])
-            r_iv = statistics.correlation(thr, [x["interval"] for x in rows])
-        except statistics.StatisticsError:  # fewer than 2 runs, or a constant column
+        if len(rows) - len(by) < 3:  # too few runs beside the arms' means for an r to say much
             continue
+        thr = _within(rows, "throughput")
         lines += ["", f"{sweep}, concurrency {conc}: throughput against steps in the window "
-                  f"r = {r_steps:.2f}, against the full-batch interval r = {r_iv:.2f} "
-                  f"({len(rows)} runs).", ""]  # fmt: skip
+                  f"{_r(thr, _within(rows, 'steps'))}, against the full-batch interval "
+                  f"{_r(thr, _within(rows, 'interval'))} ({len(rows)} runs).", ""]  # fmt: skip
     return [*lines, ""]
 
 

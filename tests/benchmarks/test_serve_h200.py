@@ -363,7 +363,7 @@ def test_sweep_steps_take_each_run_s_full_batch_steps_inside_its_window(tmp_path
 
     def steps(gpu: float, every_ms: float, t0: float) -> list[dict]:
         out = [{"t": t0 + i * every_ms / 1e3, "tokens": 128, "reqs": 128, "gpu_ms": gpu,
-                "host_ms": 1.0} for i in range(200)]  # fmt: skip
+                "host_ms": 1.0} for i in range(300)]  # fmt: skip
         # A prefill step and a smaller batch in the window, and full steps outside it: none count.
         out[50] = {**out[50], "tokens": 900}
         out[51] = {**out[51], "tokens": 64, "reqs": 64}
@@ -374,13 +374,16 @@ def test_sweep_steps_take_each_run_s_full_batch_steps_inside_its_window(tmp_path
     for target, gpu, every in (("stock", 9.0, 10.0), ("fix", 7.0, 8.0)):
         (runs / target).mkdir(parents=True)
         logs[target] = []
-        for r in range(2):
+        for r in range(3):
             t0 = 1000.0 * (r + 1) + (500 if target == "fix" else 0)
             logs[target] += steps(gpu, every, t0)
-            window = {"start": t0 + 0.1, "end": t0 + 1.5}  # 0.1-1.5 s into its steps
+            # r0: 0.1-1.5 s into its steps, r1 0.1 s longer (more steps, more throughput).
+            window = {"start": t0 + 0.1, "end": t0 + 1.5 + 0.1 * r}
+            # fix: more steps per window but less throughput than stock, so an r over the raw
+            # runs would be made by the arms' gap; within each arm, more steps is faster.
             (runs / target / f"c128-r{r}.json").write_text(json.dumps({
                 "status": "ok", "target": target, "concurrency": 128, "run": r,
-                "started": t0, "throughput": 1000.0 + 100 * r + (50 if target == "fix" else 0),
+                "started": t0, "throughput": (1000.0 if target == "stock" else 500.0) + 100 * r,
                 "guidellm": {"window": window}}))  # fmt: skip
     (tmp_path / "steps").mkdir()
     for target, lines in logs.items():
@@ -389,16 +392,86 @@ def test_sweep_steps_take_each_run_s_full_batch_steps_inside_its_window(tmp_path
     table = report._sweep_steps(tmp_path, report._read_steps(tmp_path / "steps"), "stock")
     stock = next(x for x in table if x.startswith("| decode-x | 128 | stock |"))
     fix = next(x for x in table if x.startswith("| decode-x | 128 | fix |"))
-    assert "| 2 | 10.00 ms | 9.00 ms | baseline | baseline |" in stock
-    assert "| 2 | 8.00 ms | 7.00 ms | 1.250 (1.250-1.250) | 1.286 (1.286-1.286) |" in fix
+    assert "| 3 | 10.00 ms | 9.00 ms | baseline | baseline |" in stock
+    assert "| 3 | 8.00 ms | 7.00 ms | 1.250 (1.250-1.250) | 1.286 (1.286-1.286) |" in fix
     assert table.index(stock) < table.index(fix)
     # Each run in the order it ran. fix's r0: steps every 8 ms, 175 of them inside its window,
     # one a prefill; the full-batch pairs lose the three that touch the prefill or the batch of 64.
     runs_in_order = [x for x in table if x.startswith("| decode-x | 128 |") and "| r" in x]
     assert [x.split(" | ")[2:4] for x in runs_in_order] == [
-        ["stock", "r0"], ["fix", "r0"], ["stock", "r1"], ["fix", "r1"]]  # fmt: skip
-    assert "| r0 | 1,050 | 175 | 174 | 171 | 8.00 ms | 7.00 ms |" in runs_in_order[1]
-    assert any(x.startswith("decode-x, concurrency 128: throughput against") for x in table)
+        ["stock", "r0"], ["fix", "r0"], ["stock", "r1"], ["fix", "r1"], ["stock", "r2"],
+        ["fix", "r2"]]  # fmt: skip
+    assert "| r0 | 500 | 175 | 174 | 171 | 8.00 ms | 7.00 ms |" in runs_in_order[1]
+    steps_col = [int(x.split(" | ")[5].replace(",", "")) for x in runs_in_order]
+    thr_col = [float(x.split(" | ")[4].replace(",", "")) for x in runs_in_order]
+    assert report.statistics.correlation(thr_col, steps_col) < 0  # over the raw runs
+    r_line = next(x for x in table if x.startswith("decode-x, concurrency 128: throughput"))
+    within = float(r_line.split("steps in the window r = ")[1].split(",")[0])
+    assert within > 0.98  # within each arm, more steps in the window is more throughput
+    # Each arm's steps are evenly spaced: its interval does not move, and gets no r.
+    assert "against the full-batch interval r: none (a column has no spread)" in r_line
+
+
+def test_mixed_steps_bin_the_prefill_carrying_steps_of_each_run_s_window(tmp_path):
+    """The mixed-step table takes, per run, the window's steps that carried prefill tokens,
+    by scheduled-token bin; a bin with fewer than 5 such steps in a run is left out, and a
+    pure-decode step or one outside the window never counts."""
+    runs = tmp_path / "sweeps" / "decode-x" / "runs"
+    logs: dict[str, list[dict]] = {}
+    for target, gpu in (("stock", 15.0), ("fix", 12.0)):
+        (runs / target).mkdir(parents=True)
+        logs[target] = []
+        for r in range(2):
+            t0 = 1000.0 * (r + 1) + (500 if target == "fix" else 0)
+            # 10 mixed steps of 300 tokens (GPU: gpu, or gpu + 1 in run 1), 3 of 600 tokens,
+            # decode steps between them, and mixed steps after the window that must not count.
+            for i in range(40):
+                tokens = 300 if i % 4 == 0 else 600 if i in (1, 5, 9) else 128
+                logs[target].append({"t": t0 + i * 0.01, "tokens": tokens, "reqs": 128,
+                                     "gpu_ms": gpu + r if tokens == 300 else 99.0,
+                                     "host_ms": 5.0})  # fmt: skip
+            logs[target] += [{"t": t0 + 5 + i, "tokens": 300, "reqs": 128, "gpu_ms": 99.0,
+                              "host_ms": 5.0} for i in range(10)]  # fmt: skip
+            (runs / target / f"c128-r{r}.json").write_text(json.dumps({
+                "status": "ok", "target": target, "concurrency": 128, "run": r,
+                "started": t0, "throughput": 1000.0,
+                "guidellm": {"window": {"start": t0, "end": t0 + 1.0}}}))  # fmt: skip
+    table = report._mixed_steps(tmp_path, logs, "stock")
+    rows = [x for x in table if x.startswith("| decode-x |")]
+    assert [x.split(" | ")[2:4] for x in rows] == [["256-511", "stock"], ["256-511", "fix"]]
+    assert rows[0].endswith("| 2 | 300 | 15.50 ms | 5.00 ms | baseline |")
+    # stock 15, 16 over fix 12, 13: geometric means 15.49 / 12.49.
+    assert "| 2 | 300 | 12.50 ms | 5.00 ms | 1.240 (" in rows[1]
+    assert report._mixed_steps(tmp_path, {}, "stock") == []
+
+
+def test_window_clocks_read_nvidia_smi_inside_each_run_s_window(tmp_path):
+    """The clock table averages the samples inside each run's window (nvidia-smi's local time
+    read as UTC), per target, and skips the header, a cut line and samples outside windows."""
+    import datetime
+
+    sweeps = tmp_path / "sweeps"
+    rows = ["timestamp, clocks.current.sm [MHz], clocks.current.memory [MHz], power.draw [W], "
+            "temperature.gpu, utilization.gpu [%]"]  # fmt: skip
+    start = datetime.datetime(2026, 12, 5, 19, 0, 0, tzinfo=datetime.UTC)
+    for target, t0, clock, power in (("stock", 0, 1400, 690.0), ("fix", 100, 1980, 660.0)):
+        (sweeps / "decode-x" / "runs" / target).mkdir(parents=True)
+        begin = start.timestamp() + t0
+        (sweeps / "decode-x" / "runs" / target / "c128-r0.json").write_text(json.dumps({
+            "status": "ok", "target": target, "concurrency": 128, "run": 0,
+            "guidellm": {"window": {"start": begin, "end": begin + 9.5}}}))  # fmt: skip
+        for i in range(-3, 13):  # 3 s before the window to 3 s after it
+            when = start + datetime.timedelta(seconds=t0 + i)
+            inside = 0 <= i <= 9
+            rows.append(f"{when:%Y/%m/%d %H:%M:%S}.000, {clock + (i % 2) * 10 if inside else 1980} "
+                        f"MHz, 3201 MHz, {power + i if inside else 100.0} W, 50, 90 %")  # fmt: skip
+    rows.append("2026/12/05 19:02:00.000, 19")  # the line the logger was killed in
+    (sweeps / "nvidia-smi-decode-x.csv").write_text("\n".join(rows) + "\n")
+    table = [x for x in report._window_clocks(tmp_path, "stock") if x.startswith("| decode-x")]
+    assert table == [
+        "| decode-x | 128 | stock | 1 | 1,405 MHz | 1,400 MHz | 694 W | 699 W |",
+        "| decode-x | 128 | fix | 1 | 1,985 MHz | 1,980 MHz | 664 W | 669 W |",
+    ]
 
 
 def test_report_refuses_a_python_without_the_package_before_writing(tmp_path, monkeypatch):

@@ -7,13 +7,14 @@ model runner appends one JSON line per step to `DIR/steps-<pid>.jsonl`:
     {"t": 1733333333.123, "tokens": 128, "reqs": 128, "padded": 128,
      "forward_ms": 5.91, "gpu_ms": 6.02, "host_ms": 6.40}
 
-`t` is the step's start (Unix time), `tokens`/`reqs` what the scheduler gave the step, `padded`
-the forward's token count (the CUDA-graph size), `forward_ms` the GPU time of the forward,
-`gpu_ms` forward start to the end of sampling on the GPU, `host_ms` the host's time in
-`execute_model` + `sample_tokens`. A thread reads the events once they have completed, so the
-engine never waits on them. Off unless the variable is set; the plugin imports this then only.
-vLLM's V1 model runner (DeepSeek-V3's in vLLM 0.26-0.33) is the one wrapped; a model on the V2
-runner logs nothing.
+`t` is the step's start (Unix time to the microsecond: step intervals are compared at the
+1 % level, and 0.1 ms is 1 % of a 10 ms step), `tokens`/`reqs` what the scheduler gave the
+step, `padded` the forward's token count (the CUDA-graph size), `forward_ms` the GPU time of
+the forward, `gpu_ms` forward start to the end of sampling on the GPU, `host_ms` the host's
+time in `execute_model` + `sample_tokens`. A thread reads the events once they have
+completed, so the engine never waits on them. Off unless the variable is set; the plugin
+imports this then only. vLLM's V1 model runner (DeepSeek-V3's in vLLM 0.26-0.33) is the one
+wrapped; a model on the V2 runner logs nothing.
 """
 
 from __future__ import annotations
@@ -90,7 +91,7 @@ def install(directory: Path) -> bool:
     def execute_model(self, scheduler_output, *args, **kwargs):
         self.__dict__[_ATTR] = {
             "host_t0": time.perf_counter(),
-            "record": {"t": round(time.time(), 4),
+            "record": {"t": round(time.time(), 6),
                        "tokens": int(scheduler_output.total_num_scheduled_tokens),
                        "reqs": len(scheduler_output.num_scheduled_tokens)},
         }  # fmt: skip
