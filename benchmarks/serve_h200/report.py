@@ -416,10 +416,9 @@ def _mixed_steps(root: Path, steps: dict[str, list[dict]], baseline: str) -> lis
              "Steps that carried prefill tokens beside the decode batch, by scheduled tokens "
              "(eager forward above the 256-token CUDA graphs), in runs with at least 5 such "
              "steps: the runs' mean of each run's median tokens, GPU and host time; then the "
-             "baseline's "
-             "GPU time over each target's, a Welch 95 % CI over runs (above 1: the target's "
-             "step is shorter). Host time below GPU time: the GPU set the pace and its CUDA "
-             "events time the kernels, not the host's issue rate.", "",
+             "baseline's GPU time over each target's, a Welch 95 % CI over runs (above 1: the "
+             "target's step is shorter). Host time below GPU time: the GPU set the pace and its "
+             "CUDA events time the kernels, not the host's issue rate.", "",
              "| sweep | concurrency | tokens | target | runs | median tokens | GPU | host "
              "| GPU ratio |",
              "|---|---:|---|---|---:|---:|---:|---:|---|"]  # fmt: skip
