@@ -373,16 +373,33 @@ def _r(a: list[float], b: list[float]) -> str:
     return f"r = {statistics.correlation(a, b):.2f}"
 
 
-def _sweep_runs(root: Path, steps: dict[str, list[dict]]):
-    """Each finished sweep run whose target logged steps: (sweep name, its run record, the
-    steps that started inside its GuideLLM window)."""
-    for f in sorted((root / "sweeps").glob("*/runs/*/c*-r*.json")) if steps else []:
+def _window_runs(root: Path):
+    """Each finished sweep run with a GuideLLM window: (sweep name, its run record, the
+    window's start and end in Unix time)."""
+    for f in sorted((root / "sweeps").glob("*/runs/*/c*-r*.json")):
         r = json.loads(f.read_text())
         window = (r.get("guidellm") or {}).get("window")
-        if r.get("status") != "ok" or not window or r["target"] not in steps:
-            continue
-        t0, t1 = window["start"], window["end"]
-        yield f.parents[2].name, r, [x for x in steps[r["target"]] if t0 <= x["t"] <= t1]
+        if r.get("status") == "ok" and window:
+            yield f.parents[2].name, r, window["start"], window["end"]
+
+
+def _sweep_runs(root: Path, steps: dict[str, list[dict]]):
+    """_window_runs of the targets that logged steps, each with the steps that started inside
+    its window."""
+    for sweep, r, t0, t1 in _window_runs(root) if steps else ():
+        if r["target"] in steps:
+            inside = [x for x in steps[r["target"]] if t0 <= x["t"] <= t1]
+            yield sweep, r, t0, t1, inside
+
+
+def _welch_cell(base: list[float], other: list[float]) -> str:
+    """The baseline's runs over a target's: ratio of geometric means and its Welch 95 % CI,
+    or "n < 2" when either side has fewer than two runs."""
+    from vllm_h20.bench.stats import welch_ratio_ci
+
+    if len(base) < 2 or len(other) < 2:
+        return "n < 2"
+    return _ci_cell(welch_ratio_ci(base, other))
 
 
 # Scheduled-token bins of the mixed steps (a decode batch with prefill chunks riding along):
@@ -396,12 +413,10 @@ def _mixed_steps(root: Path, steps: dict[str, list[dict]], baseline: str) -> lis
     each target's with a Welch 95 % CI over runs. It is the prefill-chunk A/B taken under load,
     where an eager forward's CUDA events time the GPU only if the host issued faster than the GPU
     ran (host below GPU in the table)."""
-    from vllm_h20.bench.stats import welch_ratio_ci
-
     cells: dict[tuple, dict[str, list[tuple[float, float, float]]]] = collections.defaultdict(
         lambda: collections.defaultdict(list)
     )
-    for sweep, r, inside in _sweep_runs(root, steps):
+    for sweep, r, _, _, inside in _sweep_runs(root, steps):
         for lo, hi in MIXED_BINS:
             got = [x for x in inside if x["tokens"] > x["reqs"] and lo <= x["tokens"] < hi
                    and "gpu_ms" in x]  # fmt: skip
@@ -426,12 +441,7 @@ def _mixed_steps(root: Path, steps: dict[str, list[dict]], baseline: str) -> lis
         base = [v[0] for v in by.get(baseline, [])]
         for target, vals in sorted(by.items(), key=lambda kv: kv[0] != baseline):
             gpu = [v[0] for v in vals]
-            if target == baseline:
-                rel = "baseline"
-            elif len(base) < 2 or len(gpu) < 2:
-                rel = "n < 2"
-            else:
-                rel = _ci_cell(welch_ratio_ci(base, gpu))
+            rel = "baseline" if target == baseline else _welch_cell(base, gpu)
             lines.append(f"| {sweep} | {conc} | {lo}-{hi - 1} | {target} | {len(vals)} | "
                          f"{statistics.fmean(v[2] for v in vals):.0f} | "
                          f"{statistics.fmean(gpu):.2f} ms | "
@@ -462,20 +472,17 @@ def window_clocks(root: Path) -> dict[tuple[str, int, str], list[tuple[float, ..
     the board to its power cap runs at a lower clock, and that is part of any step-time
     difference measured on the same GPU."""
     rows: dict[tuple[str, int, str], list[tuple[float, ...]]] = collections.defaultdict(list)
-    for csv_path in sorted((root / "sweeps").glob("nvidia-smi-*.csv")):
-        sweep = csv_path.stem.removeprefix("nvidia-smi-")
-        samples = _smi_samples(csv_path)
-        for f in sorted((root / "sweeps" / sweep / "runs").glob("*/c*-r*.json")):
-            r = json.loads(f.read_text())
-            window = (r.get("guidellm") or {}).get("window")
-            if r.get("status") != "ok" or not window:
-                continue
-            got = [(c, p) for t, c, p in samples if window["start"] <= t <= window["end"]]
-            if len(got) < 5:
-                continue
-            rows[(sweep, r["concurrency"], r["target"])].append((
-                statistics.fmean(c for c, _ in got), min(c for c, _ in got),
-                statistics.fmean(p for _, p in got), max(p for _, p in got)))  # fmt: skip
+    samples: dict[str, list[tuple[float, float, float]]] = {}  # each sweep's log, read once
+    for sweep, r, t0, t1 in _window_runs(root):
+        if sweep not in samples:
+            csv_path = root / "sweeps" / f"nvidia-smi-{sweep}.csv"
+            samples[sweep] = _smi_samples(csv_path) if csv_path.is_file() else []
+        got = [(c, p) for t, c, p in samples[sweep] if t0 <= t <= t1]
+        if len(got) < 5:
+            continue
+        rows[(sweep, r["concurrency"], r["target"])].append((
+            statistics.fmean(c for c, _ in got), min(c for c, _ in got),
+            statistics.fmean(p for _, p in got), max(p for _, p in got)))  # fmt: skip
     return rows
 
 
@@ -511,11 +518,8 @@ def _sweep_steps(root: Path, steps: dict[str, list[dict]], baseline: str) -> lis
     GPU time; then the baseline's over each target's, a Welch 95 % CI over runs; then each
     run's counts, and how its throughput follows them. It says how much of a GPU-step change
     reaches the wall clock while the sweep measures, and what sets the runs' spread."""
-    from vllm_h20.bench.stats import welch_ratio_ci
-
     per_run = []
-    for sweep, r, inside in _sweep_runs(root, steps):
-        t0, t1 = r["guidellm"]["window"]["start"], r["guidellm"]["window"]["end"]
+    for sweep, r, t0, t1, inside in _sweep_runs(root, steps):
         pairs = _decode_pairs(steps[r["target"]], r["concurrency"], t0, t1)
         if len(pairs) < 2:
             continue
@@ -544,18 +548,13 @@ def _sweep_steps(root: Path, steps: dict[str, list[dict]], baseline: str) -> lis
              "| interval ratio | GPU ratio |",
              "|---|---:|---|---:|---:|---:|---|---|"]  # fmt: skip
 
-    def ratio(base: list[float], other: list[float]) -> str:
-        if len(base) < 2 or len(other) < 2:
-            return "n < 2"
-        return _ci_cell(welch_ratio_ci(base, other))
-
     for (sweep, conc), by in sorted(cells.items()):
         base = by.get(baseline, [])
         for target, vals in sorted(by.items(), key=lambda kv: kv[0] != baseline):
             iv, gpu = [v["interval"] for v in vals], [v["gpu"] for v in vals]
             rel = ("baseline", "baseline") if target == baseline else (
-                ratio([b["interval"] for b in base], iv),
-                ratio([b["gpu"] for b in base], gpu))  # fmt: skip
+                _welch_cell([b["interval"] for b in base], iv),
+                _welch_cell([b["gpu"] for b in base], gpu))  # fmt: skip
             lines.append(f"| {sweep} | {conc} | {target} | {len(vals)} | "
                          f"{statistics.fmean(iv):.2f} ms | {statistics.fmean(gpu):.2f} ms | "
                          f"{rel[0]} | {rel[1]} |")  # fmt: skip
