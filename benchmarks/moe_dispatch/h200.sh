@@ -9,7 +9,10 @@
 #   benchmarks/moe_dispatch/h200.sh full    # kernel-level A/B (every routing x token count),
 #                                           # H20 emulations, a re-run of the concentrated
 #                                           # routings, fused op (A/B + FlashInfer's tests);
-#                                           # STEPS="fused stock_tests" runs only those; exits
+#                                           # STEPS="fused stock_tests" runs only those, and
+#                                           # STEPS="explore ..." adds run.py --explore on
+#                                           # EXPLORE_SERIES (default: the shipped one) over
+#                                           # EXPLORE_ROUTINGS x EXPLORE_TOKENS, first; exits
 #                                           # non-zero when a step failed (session log: each
 #                                           # step's exit status)
 #   benchmarks/moe_dispatch/h200.sh wait S  # follow the background run for up to S seconds
@@ -75,10 +78,10 @@ full)
     # out before them.
     all_steps="kernel emulated rerun fused stock_tests"
     for name in ${STEPS:-}; do
-        case " $all_steps " in
+        case " explore $all_steps " in
         *" $name "*) ;;
         *)
-            echo "h200.sh full: unknown step '$name' in STEPS ($all_steps)" >&2
+            echo "h200.sh full: unknown step '$name' in STEPS (explore $all_steps)" >&2
             exit 2
             ;;
         esac
@@ -96,6 +99,13 @@ full)
         local rc=$?
         echo "[$(date +%T)] $label: exit $rc"
         [ "$rc" -eq 0 ] || failed=$((failed + 1))
+    }
+    run_explore() {
+        timeout 900 python3 benchmarks/moe_dispatch/run.py --flashinfer \
+            .fi/flashinfer-0.7.2.post1-src.tar.xz --work "$S/work" --series "${EXPLORE_SERIES:-}" \
+            --explore --no-calibration --out "$S/out/explore" \
+            --routings "${EXPLORE_ROUTINGS:-uniform,zipf,eplb,trained,same_spread,pool8,pool16}" \
+            ${EXPLORE_TOKENS:+--tokens "$EXPLORE_TOKENS"} > "$S/out/explore.log" 2>&1
     }
     run_kernel() { timeout 900 "${RUN[@]}" --out "$S/out/kernel" > "$S/out/kernel.log" 2>&1; }
     run_emulated() {
@@ -118,6 +128,7 @@ full)
         return "$rc"
     } > "$S/out/fused.log" 2>&1
     run_stock_tests() { MODES=stock fused 600 test > "$S/out/fused-stock-tests.log" 2>&1; }
+    run_step explore "explore: other ways to run the shipped split (run.py --explore)"
     run_step kernel "kernel-level A/B"
     run_step emulated "H20 emulations"
     run_step rerun "kernel-level A/B again, concentrated routings (the bar's re-run)"
@@ -134,14 +145,14 @@ wait)
         sleep 1
     done
     cat "$S/out/full.log" 2>/dev/null
-    for f in kernel emulated kernel-rerun fused; do
+    for f in explore kernel emulated kernel-rerun fused; do
         [ -f "$S/out/$f.log" ] && { echo "--- $f.log"; tail -n 4 "$S/out/$f.log"; }
     done
     ;;
 collect)
     OUT=$(realpath -m "${2:?output directory}")
     mkdir -p "$OUT"
-    for part in kernel kernel-rerun fused emulated smoke; do
+    for part in explore kernel kernel-rerun fused emulated smoke; do
         [ -d "$S/out/$part" ] && tar -czf "$OUT/$part.tgz" -C "$S/out" "$part"
     done
     tar -czf "$OUT/logs.tgz" -C "$S/out" $(cd "$S/out" && ls ./*.log ./*.csv 2>/dev/null)

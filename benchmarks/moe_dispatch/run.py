@@ -162,14 +162,57 @@ CLASS_SPLIT_HOOK = (
 )
 CLASS_HOOKS = (*SHIPPED_HOOKS, (CLASS_PLAN_LINE, PREV_PLAN + CLASS_PLAN_LINE),
                (CLASS_SPLIT, CLASS_SPLIT_HOOK))  # fmt: skip
-# The shipped series has its split in the other order already: no --explore rules to hook.
+# The shipped series has its split in the other order already: none of those rules to hook.
 HOT_FIRST_HOOKS = CLASS_HOOKS[:-1]
+# --explore on the shipped series (rule modes 10-13): what its split's second launch costs, and
+# other ways to run the two classes. 10 = the hot launch alone (a diagnostic: its output misses
+# the cold experts' rows wherever there are some), 11 = both launches, the cold one without the
+# overlap (no programmatic dependent launch), 12 / 13 = the classes on two branches of a forked
+# stream joined after them (parallel nodes in a CUDA graph), the hot launch issued first /
+# second. vllm_h20_fork / vllm_h20_join: deepgemm_setup.cu.
+HOT_FIRST_SPLIT = (
+    "    run_regular(plan.hot_m, {plan.boundary + 1, deep_gemm::kAnyRows});\n"
+    "    run_swap_ab(plan.cold_m, {1, plan.boundary}, /*overlap=*/true);\n"
+)
+HOT_FIRST_SPLIT_HOOK = (
+    "    if (vllm_h20_rule_mode == 10) {\n"
+    "      run_regular(plan.hot_m, {plan.boundary + 1, deep_gemm::kAnyRows});\n"
+    "    } else if (vllm_h20_rule_mode == 11) {\n"
+    "      run_regular(plan.hot_m, {plan.boundary + 1, deep_gemm::kAnyRows});\n"
+    "      run_swap_ab(plan.cold_m, {1, plan.boundary});\n"
+    "    } else if (vllm_h20_rule_mode == 12 || vllm_h20_rule_mode == 13) {\n"
+    "      cudaStream_t const main_stream = stream, side = vllm_h20_fork(stream);\n"
+    "      for (int i = 0; i < 2; ++i) {\n"
+    "        if ((i == 0) == (vllm_h20_rule_mode == 12)) {\n"
+    "          stream = main_stream;\n"
+    "          run_regular(plan.hot_m, {plan.boundary + 1, deep_gemm::kAnyRows});\n"
+    "        } else {\n"
+    "          stream = side;\n"
+    "          run_swap_ab(plan.cold_m, {1, plan.boundary});\n"
+    "        }\n"
+    "      }\n"
+    "      stream = main_stream;\n"
+    "      vllm_h20_join(main_stream, side);\n"
+    "    } else {\n" + HOT_FIRST_SPLIT.replace("    run", "      run") + "    }\n"
+)
+HOT_FIRST_EXPLORE_HOOKS = (*HOT_FIRST_HOOKS, (HOT_FIRST_SPLIT, HOT_FIRST_SPLIT_HOOK))
 # candidates/one-launch (0003: both classes in one dual-kernel launch): rule mode 9 turns the dual
 # launch off, which leaves the shipped series' hot-first dispatch (two launches): its `prev`.
 ONE_LAUNCH_GUARD = "    if (!one_launch_fits(hot, cold, num_device_sms)) return false;"
 ONE_LAUNCH_HOOKS = (*HOT_FIRST_HOOKS,
                     (ONE_LAUNCH_GUARD, "    if (vllm_h20_rule_mode == 9) return false;\n"
                      + ONE_LAUNCH_GUARD))  # fmt: skip
+# candidates/graph-branches (0003: under CUDA-graph capture the two classes on parallel branches
+# of a forked stream): rule mode 9 keeps them on the caller's stream, which leaves the shipped
+# series' dispatch (the cold launch overlapping the hot one): its `prev`.
+BRANCHES_GUARD = (
+    "  } else if (RowClassBranches* branches = RowClassBranches::when_capturing(stream)) {"
+)
+BRANCHES_HOOKS = (*HOT_FIRST_HOOKS,
+                  (BRANCHES_GUARD, "  } else if (RowClassBranches* branches =\n"
+                   "                 vllm_h20_rule_mode == 9 ? nullptr\n"
+                   "                                         : RowClassBranches::when_capturing("
+                   "stream)) {"))  # fmt: skip
 SHIPPED_TWO_LAUNCH = (9, 0)
 CANDIDATE = "candidates/fitted-row-tiles"
 
@@ -179,19 +222,22 @@ def series_kind(kernel_cuh: str) -> str:
     "hot_first" (the shipped series since 2026-12-04: row classes, single launches up to 32/64
     rows, the hot class first), "classes" (candidates/whole-expert-tiles: row classes bounded by
     the GPU's ridge, cold class first), "one_launch" (candidates/one-launch: hot_first with both
-    classes in one launch) or "shipped" (candidates/estimated-row-classes, shipped until
-    2026-12-03; the name kept for the published runs)."""
+    classes in one launch), "branches" (candidates/graph-branches: hot_first with the classes on
+    parallel branches of a CUDA graph) or "shipped" (candidates/estimated-row-classes, shipped
+    until 2026-12-03; the name kept for the published runs)."""
     if "plan_launches(" in kernel_cuh:
         return "fitted"
     if "run_both(" in kernel_cuh:
         return "one_launch"
+    if "RowClassBranches" in kernel_cuh:
+        return "branches"
     if "kNarrowRegularRows" in kernel_cuh:
         return "hot_first"
     return "classes" if "ridge_rows(" in kernel_cuh else "shipped"
 
 
 # The kinds with two row classes, measured with the same versions and hooks.
-CLASS_KINDS = ("classes", "hot_first", "one_launch")
+CLASS_KINDS = ("classes", "hot_first", "one_launch", "branches")
 
 
 CALIB_DECLS = (
@@ -201,6 +247,8 @@ CALIB_DECLS = (
     "unsigned vllm_h20_split_rows(unsigned);\n"
     "void vllm_h20_prev_row_classes(unsigned, unsigned, unsigned, unsigned&, unsigned&,\n"
     "                               unsigned&);\n"
+    "struct CUstream_st;\nCUstream_st* vllm_h20_fork(CUstream_st*);\n"
+    "void vllm_h20_join(CUstream_st*, CUstream_st*);\n"
 )
 # ... and into DeepGEMM's host launchers: the grid a persistent kernel gets (VLLM_H20_GRID_SMS).
 GRID_LINE = "  config.gridDim = num_sms;"
@@ -241,8 +289,9 @@ def prepare_sources(data: Path, work: Path, variant: str, series: str = "") -> P
         hooks = {
             "fitted": FITTED_HOOKS,
             "classes": CLASS_HOOKS,
-            "hot_first": HOT_FIRST_HOOKS,
+            "hot_first": HOT_FIRST_EXPLORE_HOOKS,
             "one_launch": ONE_LAUNCH_HOOKS,
+            "branches": BRANCHES_HOOKS,
             "shipped": SHIPPED_HOOKS,
         }[series_kind(text)]
         for line, hook in hooks:
@@ -319,6 +368,21 @@ CLASS_EXPLORE = (
     Version("one_swap", "calib", "fixed", (7, 0)),
     Version("hot_first_r64", "calib", "fixed", (8, 0)),
 )
+# --explore on the shipped series: the rule modes 10-13 (HOT_FIRST_SPLIT_HOOK) beside the series
+# (`fix`) and the calibration build's copy of it (`fix_calib`, mode 0: same launches, so what
+# the build alone changes). `hot_only` is a diagnostic (DIAGNOSTIC): its output is incomplete
+# wherever the cold class has rows, and that is not counted as a failed check.
+HOT_FIRST_EXPLORE = (
+    Version("stock", "stock", "stock"),
+    Version("avg", "calib", "fixed", AVG_ONLY),
+    Version("fix", "patched", "fixed"),
+    Version("fix_calib", "calib", "fixed", (0, 0)),
+    Version("hot_only", "calib", "fixed", (10, 0)),
+    Version("no_overlap", "calib", "fixed", (11, 0)),
+    Version("branches", "calib", "fixed", (12, 0)),
+    Version("branches_cold_first", "calib", "fixed", (13, 0)),
+)
+DIAGNOSTIC = frozenset({"hot_only"})
 # The emulations' columns, all from the calib build (one module per process).
 EMU_VERSIONS = (
     Version("stock", "calib", "stock", AVG_ONLY),
@@ -329,8 +393,9 @@ CLASS_EMU_VERSIONS = (*EMU_VERSIONS[:2], Version("prev", "calib", "fixed", PREV)
 
 
 def with_shipped_as_prev(versions: tuple[Version, ...], kind: str) -> tuple[Version, ...]:
-    """For candidates/one-launch, `prev` is the shipped series' two launches (rule mode 9)."""
-    if kind != "one_launch":
+    """For candidates/one-launch and graph-branches, `prev` is the shipped series' dispatch (rule
+    mode 9: two launches on the caller's stream, the cold one overlapping the hot one)."""
+    if kind not in ("one_launch", "branches"):
         return versions
     return tuple(Version(v.name, v.variant, v.kind, SHIPPED_TWO_LAUNCH) if v.name == "prev" else v
                  for v in versions)  # fmt: skip
@@ -493,6 +558,15 @@ class RankCase:
         return errs
 
 
+def diagnostic_check(case: RankCase) -> dict[str, float]:
+    """A diagnostic version's check: an incomplete output (rows it does not write by design)
+    is recorded as an infinite error, not raised."""
+    try:
+        return case.check()
+    except AssertionError:
+        return {s.name: float("inf") for s in cases.SHAPES}
+
+
 def ab_case(gpu: Gpu, versions: dict, routing: str, tokens: int, bw: float) -> dict:
     """Every rank of one routing/token case in every version: check, then time in graphs.
 
@@ -510,8 +584,8 @@ def ab_case(gpu: Gpu, versions: dict, routing: str, tokens: int, bw: float) -> d
         for v in rc:
             rc[v]()
         torch.cuda.synchronize()
-        errs = {v: rc[v].check() for v in rc}
-        first, *others = list(rc)
+        errs = {v: diagnostic_check(rc[v]) if v in DIAGNOSTIC else rc[v].check() for v in rc}
+        first, *others = [v for v in rc if v not in DIAGNOSTIC]
         agree = {
             f"{o}_vs_{first}": {
                 s.name: rel(rc[o].out[s.name][: rc[o].rows], rc[first].out[s.name][: rc[o].rows])
@@ -555,7 +629,13 @@ def ab_case(gpu: Gpu, versions: dict, routing: str, tokens: int, bw: float) -> d
     worst = max(range(cases.EP), key=lambda r: row[f"{lead}_rank_median_s"][r])
     # A read-only stream can use the whole bandwidth the copy measured (read + write).
     row["roofline_s"] = per_rank[worst]["weight_bytes"] / bw
-    row["max_rel_err"] = max(max(r["rel_err"][v].values()) for r in per_rank for v in r["rel_err"])
+    row["max_rel_err"] = max(max(r["rel_err"][v].values()) for r in per_rank
+                             for v in r["rel_err"] if v not in DIAGNOSTIC)  # fmt: skip
+    if DIAGNOSTIC & set(versions):  # whether each diagnostic version's output was complete
+        row["diagnostic_rel_err"] = {
+            v: max(max(r["rel_err"][v].values()) for r in per_rank)
+            for v in DIAGNOSTIC & set(versions)
+        }
     row["max_disagreement"] = max(
         max(d.values()) for r in per_rank for d in r["agreement"].values()
     )
@@ -858,11 +938,13 @@ def build_variants(args, series: str, result: dict) -> tuple[Path, str]:
 def run_versions_of(args, kind: str) -> tuple[Version, ...]:
     """The versions the A/B times for a series kind (--explore: the alternatives)."""
     candidate = kind == "fitted"
-    if args.explore and kind not in ("fitted", "classes"):
-        raise SystemExit(f"--explore's rule modes hook the cold-first split: add --series "
-                         f"candidates/whole-expert-tiles (or {CANDIDATE})")  # fmt: skip
+    if args.explore and kind not in ("fitted", "classes", "hot_first"):
+        raise SystemExit(
+            f"--explore has no rule modes for this series ({kind}): run it on "
+            f"the shipped series, candidates/whole-expert-tiles or {CANDIDATE}"
+        )
     if args.explore:
-        return EXPLORE if candidate else CLASS_EXPLORE
+        return {"fitted": EXPLORE, "classes": CLASS_EXPLORE, "hot_first": HOT_FIRST_EXPLORE}[kind]
     return with_shipped_as_prev(
         CANDIDATE_VERSIONS if candidate else CLASS_VERSIONS if kind in CLASS_KINDS else VERSIONS,
         kind,

@@ -48,7 +48,8 @@ def test_calibration_hooks_apply_to_the_patched_sources(tmp_path):
     kinds = (("", "hot_first"), (run.CANDIDATE, "fitted"),
              ("candidates/estimated-row-classes", "shipped"),
              ("candidates/whole-expert-tiles", "classes"),
-             ("candidates/one-launch", "one_launch"))  # fmt: skip
+             ("candidates/one-launch", "one_launch"),
+             ("candidates/graph-branches", "branches"))  # fmt: skip
     for series, kind in kinds:
         work = tmp_path / (series.replace("/", "-") or "shipped")
         for variant in run.VARIANTS:
@@ -63,9 +64,17 @@ def test_calibration_hooks_apply_to_the_patched_sources(tmp_path):
             # the shipped series, whose split is already in the other order)
             explores = variant == "calib" and kind == "classes"
             assert ("if (vllm_h20_rule_mode == 8 && " in text) is explores
-            # one-launch: rule mode 9 turns its dual launch off (the shipped two launches)
+            # --explore on the shipped series: its hot launch alone, no overlap, two branches
+            assert ("if (vllm_h20_rule_mode == 10) {" in text) is (
+                variant == "calib" and kind == "hot_first"
+            )
+            # one-launch: rule mode 9 turns its dual launch off (the shipped two launches);
+            # graph-branches: it keeps the classes on the caller's stream (the same)
             assert ("if (vllm_h20_rule_mode == 9) return false;" in text) is (
                 variant == "calib" and kind == "one_launch"
+            )
+            assert ("vllm_h20_rule_mode == 9 ? nullptr" in text) is (
+                variant == "calib" and kind == "branches"
             )
             launchers = (nv / run.FP8_GEMM_CUH).read_text()
             assert ("vllm_h20_grid(num_sms)" in launchers) is (variant == "calib")
@@ -133,7 +142,8 @@ def test_full_refuses_an_unknown_step_before_running_any(tmp_path):
     r = _full(tmp_path, "kernel fussed")
     assert r.returncode == 2 and r.stdout == ""
     assert r.stderr.strip() == (
-        "h200.sh full: unknown step 'fussed' in STEPS (kernel emulated rerun fused stock_tests)"
+        "h200.sh full: unknown step 'fussed' in STEPS (explore kernel emulated rerun fused "
+        "stock_tests)"
     )
 
 
@@ -178,6 +188,7 @@ def test_concentrated_routings_concentrate_as_described():
 def test_warm_jobs_cover_every_version_and_token_count():
     run = _run_py()
     for versions in (run.VERSIONS, run.CANDIDATE_VERSIONS, run.CLASS_VERSIONS, run.EXPLORE,
+                     run.HOT_FIRST_EXPLORE,
                      run.EMU_VERSIONS, run.CLASS_EMU_VERSIONS):  # fmt: skip
         jobs = run.warm_jobs(versions, cases.TOKENS)
         for v in versions:

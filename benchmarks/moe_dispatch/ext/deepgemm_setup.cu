@@ -8,6 +8,8 @@
 #include "tensorrt_llm/deep_gemm/compiler.cuh"
 
 #ifdef VLLM_H20_FORCE_HOOK
+#include <cuda_runtime.h>
+
 #include <algorithm>
 #include <cmath>
 
@@ -25,7 +27,9 @@ int vllm_h20_force_branch = 0;
 // swap-A/B launch sized for max_m when max_m <= 128 (else the split), 8 = candidates/hot-first's
 // rule (one swap-A/B launch up to 32 rows, one regular launch up to 64 where 64 rows are under
 // the GPU's ridge, else mode 6); candidates/one-launch only: 9 = the shipped series' dispatch
-// (the dual launch off: two launches, hot class first). split_rows (mode 0, 5):
+// (the dual launch off: two launches, hot class first); the shipped (hot-first) series only:
+// 10 = its hot launch alone (a diagnostic), 11 = its split without the overlap, 12 / 13 = its
+// classes on two forked branches, the hot launch issued first / second. split_rows (mode 0, 5):
 // 0 = the patch's own; else a second, regular launch for the
 // experts with more than 128 rows whenever the token count exceeds it.
 int vllm_h20_rule_mode = 0, vllm_h20_rule_split_rows = 0;
@@ -59,6 +63,42 @@ void vllm_h20_prev_row_classes(unsigned expected_m, unsigned max_m, unsigned thr
 int vllm_h20_num_sms_override() {
   char const* v = std::getenv("VLLM_H20_NUM_SMS");
   return v && std::atoi(v) > 0 ? std::atoi(v) : -1;
+}
+
+// Rule modes 12 and 13: the two row classes on two branches of the caller's stream, forked before
+// them and joined after (in a CUDA graph: parallel kernel nodes). One side stream and two events
+// per device, made on the first call (the harness makes one outside any graph capture).
+namespace {
+struct Branch {
+  cudaStream_t side = nullptr;
+  cudaEvent_t fork = nullptr, join = nullptr;
+};
+
+Branch& branch() {
+  static Branch per_device[64];
+  int device = 0;
+  cudaGetDevice(&device);
+  Branch& b = per_device[device];
+  if (b.side == nullptr) {
+    cudaStreamCreateWithFlags(&b.side, cudaStreamNonBlocking);
+    cudaEventCreateWithFlags(&b.fork, cudaEventDisableTiming);
+    cudaEventCreateWithFlags(&b.join, cudaEventDisableTiming);
+  }
+  return b;
+}
+}  // namespace
+
+cudaStream_t vllm_h20_fork(cudaStream_t stream) {
+  Branch& b = branch();
+  cudaEventRecord(b.fork, stream);
+  cudaStreamWaitEvent(b.side, b.fork, 0);
+  return b.side;
+}
+
+void vllm_h20_join(cudaStream_t stream, cudaStream_t side) {
+  Branch& b = branch();
+  cudaEventRecord(b.join, side);
+  cudaStreamWaitEvent(stream, b.join, 0);
 }
 
 // The CTAs a persistent launch gets: VLLM_H20_GRID_SMS=40 runs every kernel on 40 of the H200's
