@@ -203,15 +203,19 @@ SWAP_SECOND = "swap_ab_second"
 # candidates/one-launch: the split's cold class inside the hot class's launch (one c0 for both,
 # until a run of it fits this one's).
 IN_ONE_LAUNCH = "swap_ab_in_one_launch"
+# candidates/graph-branches: the split's cold launch on a parallel CUDA-graph branch beside the
+# hot one (its own c0, fitted on that series' runs).
+IN_BRANCH = "swap_ab_branch"
 # Each second launch's kernel, whose rates it keeps.
-BASE_OF = {SECOND: "regular", SWAP_SECOND: "swap_ab", IN_ONE_LAUNCH: "swap_ab"}
+BASE_OF = {SECOND: "regular", SWAP_SECOND: "swap_ab", IN_ONE_LAUNCH: "swap_ab",
+           IN_BRANCH: "swap_ab"}  # fmt: skip
 # The hot-first plan's single launches (its kOneLaunchRows, kNarrowRegularRows).
 ONE_LAUNCH_ROWS = 32
 NARROW_REGULAR_ROWS = 64
 
 
-def row_class_launches(counts, tokens: int, sms: int, hot_first: bool,
-                       one_launch: bool = False) -> list[tuple[str, list]]:  # fmt: skip
+def row_class_launches(counts, tokens: int, sms: int, hot_first: bool, one_launch: bool = False,
+                       branch: bool = False) -> list[tuple[str, list]]:  # fmt: skip
     """The two-class plans per GEMM (each launch pays its c0, empty or not): one swap-A/B launch
     when every expert fits one tile, else a swap-A/B launch for the experts with 1..boundary
     rows and a regular one for the rest. hot_first=False: the whole-expert-tile series
@@ -220,7 +224,9 @@ def row_class_launches(counts, tokens: int, sms: int, hot_first: bool,
     every expert once (a swap-A/B tile sized for up to 32 rows; a regular 64-row tile up to 64
     rows where 64 rows are under the ridge: the 132-SM parts). one_launch (with hot_first):
     candidates/one-launch, whose split is one launch where both kernels have 128-row weight tiles
-    (above 64 tokens: the regular kernel's row tile is 128; every V4.1-Flash N is above 64)."""
+    (above 64 tokens: the regular kernel's row tile is 128; every V4.1-Flash N is above 64).
+    branch (with hot_first): candidates/graph-branches, whose split's cold launch is a parallel
+    branch of the CUDA graph (IN_BRANCH)."""
     avg = per_expert_expected_m(tokens, cases.TOP_K, cases.LOCAL, cases.EP)
     out = []
     for s in cases.SHAPES:
@@ -237,6 +243,8 @@ def row_class_launches(counts, tokens: int, sms: int, hot_first: bool,
             hot = gemm_terms(np.where(counts > boundary, counts, 0), s, tokens, "regular", sms)
             if one_launch and tokens > NARROW_REGULAR_ROWS:
                 out += [("regular", [hot]), (IN_ONE_LAUNCH, [cold])]
+            elif branch:
+                out += [("regular", [hot]), (IN_BRANCH, [cold])]
             elif hot_first:
                 out += [("regular", [hot]), (SWAP_SECOND, [cold])]
             else:
@@ -292,15 +300,18 @@ def predict(fits: dict, counts, tokens: int, version: str, sms: int) -> float:
     """Seconds for one rank's FC1 + FC2 under a version (each launch pays its c0): stock,
     avg (average-only), split (the per-expert plan shipped until 2026-12-03), fitted (the
     fitted-tile candidate), classes (the whole-expert-tile plan, shipped 2026-12-03 to 12-04),
-    hot_first (the shipped plan) or one_launch (candidates/one-launch: without a fit of its own,
-    the cold class's part of the one launch pays no c0)."""
+    hot_first (the shipped plan), one_launch (candidates/one-launch: without a fit of its own,
+    the cold class's part of the one launch pays no c0) or branches (candidates/graph-branches:
+    the same for its parallel cold launch)."""
     if version == "fitted":
         plan = candidate_launches(counts, tokens)
-    elif version in ("classes", "hot_first", "one_launch"):
+    elif version in ("classes", "hot_first", "one_launch", "branches"):
         plan = row_class_launches(counts, tokens, sms, hot_first=version != "classes",
-                                  one_launch=version == "one_launch")  # fmt: skip
-        if IN_ONE_LAUNCH not in fits:
-            fits = {**fits, IN_ONE_LAUNCH: dataclasses.replace(fits["swap_ab"], c0=0.0)}
+                                  one_launch=version == "one_launch",
+                                  branch=version == "branches")  # fmt: skip
+        for own in (IN_ONE_LAUNCH, IN_BRANCH):
+            if own not in fits:
+                fits = {**fits, own: dataclasses.replace(fits["swap_ab"], c0=0.0)}
     else:
         plan = launches(counts, tokens, version, sms)
     return sum(fits[p].predict(terms) for p, terms in plan)

@@ -91,6 +91,20 @@ CANDIDATES = {
         "launch off (rule mode 9; those kernels are byte-identical to the shipped series')",
         "title": "the shipped per-expert dispatch and the one-launch candidate",
     },
+    "branches": {
+        "fix": "graph branches (candidate)",
+        "fix_again": "graph branches again (A/A)",
+        "series": "candidates/graph-branches",
+        "reproduce": "`SERIES=candidates/graph-branches EMULATE=emulated_78sm,emulated_h20_40sm "
+        'STEPS="explore kernel emulated rerun fused" '
+        "EXPLORE_TOKENS=64,128,192,288,512,1024,2048 bash benchmarks/moe_dispatch/h200.sh start` "
+        "(then `wait`, `collect`)",
+        "short": "graph branches",
+        "lead": "Graph branches",
+        "prev_kernels": "the shipped series' dispatch, the candidate's build with the branches "
+        "off (rule mode 9; the same kernels, 0003 changes none)",
+        "title": "the shipped per-expert dispatch and the graph-branch candidate",
+    },
 }
 # Series whose runs predate run.py's name for their kind (recorded as "classes").
 SERIES_KIND = {"candidates/hot-first": "hot_first"}
@@ -151,8 +165,8 @@ def candidate_of(res: dict) -> dict:
 
 def prev_plan(plan: str) -> str:
     """The model's name for a run's `prev` column: the shipped hot-first plan for the one-launch
-    candidate (built beside it), else the per-expert plan shipped until 2026-12-03 (split)."""
-    return "hot_first" if plan == "one_launch" else "split"
+    and graph-branch candidates (built beside them), else the per-expert plan shipped until 2026-12-03 (split)."""
+    return "hot_first" if plan in ("one_launch", "branches") else "split"
 
 
 def labels(res: dict) -> dict[str, str]:
@@ -310,11 +324,17 @@ def emulation_section(emu: dict) -> list[str]:
     return out
 
 
-# run.py --explore's rule modes on the shipped whole-expert-tile series (CLASS_EXPLORE).
+# run.py --explore's rule modes on the whole-expert-tile series (CLASS_EXPLORE) and on the
+# shipped hot-first series (HOT_FIRST_EXPLORE).
 EXPLORE_NAMES = {
     "hot_first": "hot class first (mode 6)",
     "one_swap": "one swap-A/B launch up to 128 rows (mode 7)",
     "hot_first_r64": "hot-first's rule (mode 8)",
+    "fix_calib": "the same, calibration build (mode 0)",
+    "hot_only": "hot launch alone (mode 10; diagnostic)",
+    "no_overlap": "no overlap (mode 11)",
+    "branches": "graph branches, hot first (mode 12)",
+    "branches_cold_first": "graph branches, cold first (mode 13)",
 }
 
 
@@ -324,6 +344,8 @@ def explore_section(path: Path) -> list[str]:
     label = NAMES | EXPLORE_NAMES
     if res.get("series") == "shipped" and res.get("series_kind") == "classes":
         label = label | {"fix": "shipped whole-expert tiles (0001 + 0002)"}
+    if res.get("series") == "shipped" and res.get("series_kind") == "hot_first":
+        label = label | {"fix": "shipped hot-first (0001 + 0002)"}
     out = [
         f"`{res['command']}`",
         "",
@@ -331,11 +353,17 @@ def explore_section(path: Path) -> list[str]:
         "|---|---:|" + "---:|" * len(vs),
     ]
     for r in res["ab"]:
+        # A diagnostic version's speedup where its output was incomplete times less work.
+        short = {v for v, e in r.get("diagnostic_rel_err", {}).items() if not e < 1e-2}
         out.append(
             f"| {r['routing']} | {r['tokens']} | "
-            + " | ".join(f"{r['speedups'][v]:.3f}" for v in vs)
+            + " | ".join("incomplete" if v in short else f"{r['speedups'][v]:.3f}" for v in vs)
             + " |"
         )
+    if any("diagnostic_rel_err" in r for r in res["ab"]):
+        out += ["", "Speedup over stock, each case's second run where it had one (under 0.98x "
+                "for the series); \"incomplete\": the diagnostic's output missed rows (the cold "
+                "class had some), so its time is not comparable."]  # fmt: skip
     return out
 
 
@@ -402,7 +430,7 @@ def fit_run(res: dict) -> tuple[dict, int]:
     fitted = kind_of(res) == "fitted"
     samples: dict[str, list] = {"regular": [], "swap_ab": [], "fitted": []}
     second = []  # the whole-expert plan's launches and times, for its second launch's c0
-    second_prev = []  # one-launch runs: the shipped plan's (prev), fitted on their own
+    second_prev = []  # one-launch, graph-branch runs: the shipped plan's (prev), on their own
     for r in res["ab"]:
         slots = cases.route(r["routing"], r["tokens"])
         for rank in range(cases.EP):
@@ -416,9 +444,10 @@ def fit_run(res: dict) -> tuple[dict, int]:
             else:
                 kind = kind_of(res)
                 plan = model.row_class_launches(counts, r["tokens"], sms, kind != "classes",
-                                                one_launch=kind == "one_launch")  # fmt: skip
+                                                one_launch=kind == "one_launch",
+                                                branch=kind == "branches")  # fmt: skip
                 second.append((plan, r["fix_rank_median_s"][rank]))
-                if kind == "one_launch":  # its prev: the shipped series' two launches
+                if kind in ("one_launch", "branches"):  # prev: the shipped series' launches
                     plan = model.row_class_launches(counts, r["tokens"], sms, True)
                     second_prev.append((plan, r["prev_rank_median_s"][rank]))
     for c in res["calibration"]:
@@ -482,6 +511,11 @@ def model_section(res: dict, folder: Path, tag: str) -> list[str]:
             "on `prev`'s runs) and of its share of the one launch "
             f"(`{model.IN_ONE_LAUNCH}`, fitted on `fix`'s runs)."
             if plan == "one_launch"
+            else "the shipped hot-first plan (`prev`) and this series (`fix`) from those fits, "
+            f"but for the fixed cost of the cold class's launch: behind the hot one "
+            f"(`{model.SWAP_SECOND}`, fitted on `prev`'s runs) and on a parallel graph branch "
+            f"(`{model.IN_BRANCH}`, fitted on `fix`'s runs)."
+            if plan == "branches"
             else "the previous per-expert plan (`prev`, one or two launches per GEMM, each "
             "paying its c0) is predicted out of sample; this series' (`fix`) too, but for the "
             "fixed cost of its second launch (`"
@@ -542,6 +576,7 @@ PLAN_LABELS = {
     "classes": "whole-expert tiles",
     "hot_first": "hot-first",
     "one_launch": "one launch",
+    "branches": "graph branches",
 }
 # Plans whose run calls the estimated-row-class plan (split) the previous one.
 AFTER_SPLIT = ("classes", "hot_first")
@@ -549,7 +584,7 @@ AFTER_SPLIT = ("classes", "hot_first")
 
 def plan_names(plan: str) -> dict[str, str]:
     """PLAN_LABELS as a run of `plan` names the plans it is compared with."""
-    if plan == "one_launch":
+    if plan in ("one_launch", "branches"):
         return PLAN_LABELS | {"hot_first": "shipped hot-first"}
     return PLAN_LABELS | ({"split": "previous per-expert"} if plan in AFTER_SPLIT else {})
 
