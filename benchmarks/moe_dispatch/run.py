@@ -896,10 +896,13 @@ def parse_args() -> argparse.Namespace:
                     help=f"patch series under patches/flashinfer/ to build (default: the shipped "
                          f"one), e.g. {CANDIDATE}")  # fmt: skip
     ap.add_argument("--explore", action="store_true",
-                    help="other versions: with --series candidates/whole-expert-tiles, its "
-                         "split with the hot class first, one swap-A/B launch up to 128 rows "
-                         "and the shipped rule; with the fitted-tile series, the previous plan "
-                         "and the split with the largest carveout for every kernel")  # fmt: skip
+                    help="other versions: on the shipped series, its hot launch alone (a "
+                         "diagnostic), its split without the overlap, and the split on two "
+                         "CUDA-graph branches in either order; with --series "
+                         "candidates/whole-expert-tiles, its split with the hot class first, one "
+                         "swap-A/B launch up to 128 rows and the hot-first rule; with the "
+                         "fitted-tile series, the previous plan and the split with the largest "
+                         "carveout for every kernel")  # fmt: skip
     ap.add_argument("--emulate-child", default="", help=argparse.SUPPRESS)
     return ap.parse_args()
 

@@ -383,3 +383,25 @@ def test_explore_table_is_rendered_from_the_three_runs(tmp_path):
     typo = subprocess.run([sys.executable, script, "run1.json.gz", "--compose", "x=hot@32,fixx"],
                           capture_output=True, text=True, cwd=folder)  # fmt: skip
     assert typo.returncode != 0 and "no version " in typo.stderr and "Traceback" not in typo.stderr
+
+
+def test_graph_branches_run_readme_is_rendered_from_its_files(tmp_path):
+    """benchmarks/results/moe_dispatch/graph-branches-h200/README.md: the notes, then the tables
+    from the folder's files: the candidate against the shipped hot-first plan (its `prev`, rule
+    mode 9), the model with the cold launch's two fixed costs, and the explore on the shipped
+    series with its diagnostic marked where its output was incomplete."""
+    src = RESULTS / "moe_dispatch" / "graph-branches-h200"
+    text = _rerendered(src, tmp_path)
+    assert text == (src / "README.md").read_text()
+    assert text.startswith((src / "NOTES.md").read_text())
+    tables = text.split("## Summary", 1)[1]
+    assert "graph branches (candidate)" in tables and "one launch (candidate)" not in tables
+    assert "| swap_ab_branch |" in tables and "| swap_ab_second |" in tables
+    assert "| average-only | shipped hot-first | graph branches |" in tables
+    assert "## Explored: `explore_shipped_h200.json`" in tables
+    assert "shipped hot-first (0001 + 0002)" in tables and "| incomplete |" in tables
+    explored = json.loads((src / "explore_shipped_h200.json").read_text())
+    assert explored["series"] == "shipped" and explored["series_kind"] == "hot_first"
+    kernel = json.loads((src / "kernel_h200.json").read_text())
+    assert kernel["series"] == "candidates/graph-branches" and kernel["series_kind"] == "branches"
+    assert kernel["versions"]["prev"]["rule"] == [9, 0]
