@@ -165,7 +165,8 @@ def candidate_of(res: dict) -> dict:
 
 def prev_plan(plan: str) -> str:
     """The model's name for a run's `prev` column: the shipped hot-first plan for the one-launch
-    and graph-branch candidates (built beside them), else the per-expert plan shipped until 2026-12-03 (split)."""
+    and graph-branch candidates (built beside them), else the per-expert plan shipped until
+    2026-12-03 (split)."""
     return "hot_first" if plan in ("one_launch", "branches") else "split"
 
 
