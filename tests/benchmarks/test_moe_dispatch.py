@@ -405,3 +405,30 @@ def test_graph_branches_run_readme_is_rendered_from_its_files(tmp_path):
     kernel = json.loads((src / "kernel_h200.json").read_text())
     assert kernel["series"] == "candidates/graph-branches" and kernel["series_kind"] == "branches"
     assert kernel["versions"]["prev"]["rule"] == [9, 0]
+
+
+def test_the_model_charges_the_graph_branch_as_its_own_second_launch():
+    """model.row_class_launches(branch=True): the hot-first plan's launches, its split's cold
+    launch named IN_BRANCH (its own fixed cost); single launches are the hot-first plan's. With
+    both second launches' fits equal, the two plans predict the same time."""
+    import dataclasses
+
+    model = load_script(HERE / "model.py", "moe_dispatch_model")
+    counts = np.zeros(cases.LOCAL, dtype=int)
+    counts[[3, 17]] = 192  # identical requests: two experts with every token, the rest empty
+    split = model.row_class_launches(counts, 192, 132, True, branch=True)
+    assert [p for p, _ in split] == ["regular", model.IN_BRANCH] * len(cases.SHAPES)
+    shipped = model.row_class_launches(counts, 192, 132, True)
+    assert [t for _, t in split] == [t for _, t in shipped]
+    assert [p for p, _ in shipped] == ["regular", model.SWAP_SECOND] * len(cases.SHAPES)
+    for tokens in (8, 32, 64):  # one launch there, the same in both
+        small = np.minimum(counts, tokens)
+        assert model.row_class_launches(small, tokens, 132, True, branch=True) == \
+            model.row_class_launches(small, tokens, 132, True)  # fmt: skip
+    fit = model.Fit(bw=4e12, tc=8e14, r=0.5, c0=1e-5)
+    fits = {"regular": fit, "swap_ab": fit, model.SWAP_SECOND: dataclasses.replace(fit, c0=2e-6),
+            model.IN_BRANCH: dataclasses.replace(fit, c0=2e-6)}  # fmt: skip
+    both = [model.predict(fits, counts, 192, v, 132) for v in ("hot_first", "branches")]
+    assert both[0] == both[1] > 0
+    fits[model.IN_BRANCH] = dataclasses.replace(fit, c0=0.0)
+    assert model.predict(fits, counts, 192, "branches", 132) < both[0]
