@@ -11,7 +11,9 @@
 #                           LAYERS=3: ~27 GB, four servers side by side; on the GPU);
 #                           servers then load it instead of --load-format dummy
 #   h200.sh serve NAME...   start servers: fix (port 8001), stock (8002), triton (8003),
-#                           deepgemm (8004: vLLM's DeepGEMM MoE, its vendored deep_gemm)
+#                           deepgemm (8004: vLLM's DeepGEMM MoE, its vendored deep_gemm),
+#                           branches (8005: the fix from candidates/graph-branches; boot with
+#                           BUILD_SERIES=candidates/graph-branches)
 #   h200.sh wait NAME...    wait until each answers /health (or died: its log tail)
 #   h200.sh check [A B]     correctness (A vs B, default fix stock), each one's decode-step
 #                           routing, a warm-up, and each one's profile
@@ -67,8 +69,15 @@ boot)
         touch "$SH/stage/.boot"
     fi
     if [ ! -f "$SH/build.done" ] && ! pgrep -f "kernels build" >/dev/null; then
-        # Both reduced modules, so neither server compiles on its first MoE call.
-        setsid bash -c "vllm-h20 kernels build --dispatch both --json > $SH/build.json \
+        # Both reduced modules, so neither server compiles on its first MoE call; then the fix
+        # module of each candidate series in BUILD_SERIES (e.g. candidates/graph-branches, the
+        # `branches` server's), each its own module (the patches are part of its key).
+        extra=""
+        for s in ${BUILD_SERIES:-}; do
+            extra+=" && VLLM_H20_PATCH_SERIES=$s vllm-h20 kernels build --json \
+                > $SH/build-${s//\//-}.json"
+        done
+        setsid bash -c "{ vllm-h20 kernels build --dispatch both --json > $SH/build.json$extra; } \
             2> $SH/logs/build.log && touch $SH/build.done" < /dev/null > /dev/null 2>&1 &
     fi
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
