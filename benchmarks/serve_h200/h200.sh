@@ -59,6 +59,10 @@ log_gpu() {
     smi=$!
 }
 
+# Whether boot's background module build still runs: its shell writes its pid into $SH (a
+# process-table search would also find another build on the machine, or a test's).
+building() { [ -f "$SH/build.pid" ] && kill -0 "$(cat "$SH/build.pid")" 2>/dev/null; }
+
 case $step in
 boot)
     bash "$repo/benchmarks/serve_h200/h200.sh" jitload
@@ -68,7 +72,7 @@ boot)
             "$SH"/stage/boot/*.whl || exit 1
         touch "$SH/stage/.boot"
     fi
-    if [ ! -f "$SH/build.done" ] && ! pgrep -f "kernels build" >/dev/null; then
+    if [ ! -f "$SH/build.done" ] && ! building; then
         # Both reduced modules, so neither server compiles on its first MoE call; then the fix
         # module of each candidate series in BUILD_SERIES (e.g. candidates/graph-branches, the
         # `branches` server's), each its own module (the patches are part of its key).
@@ -77,8 +81,11 @@ boot)
             extra+=" && VLLM_H20_PATCH_SERIES=$s vllm-h20 kernels build --json \
                 > $SH/build-${s//\//-}.json"
         done
-        setsid bash -c "{ vllm-h20 kernels build --dispatch both --json > $SH/build.json$extra; } \
+        rm -f "$SH/build.pid"
+        setsid bash -c "echo \$\$ > $SH/build.pid
+            { vllm-h20 kernels build --dispatch both --json > $SH/build.json$extra; } \
             2> $SH/logs/build.log && touch $SH/build.done" < /dev/null > /dev/null 2>&1 &
+        for _ in $(seq 50); do [ -f "$SH/build.pid" ] && break; sleep 0.1; done
     fi
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
     python3 -c "import torch, flashinfer; print('torch', torch.__version__, 'flashinfer', flashinfer.__version__)"
@@ -130,7 +137,7 @@ serve)
         healthy "$n" && { echo "$n: already serving on $p"; continue; }
         pgrep -f -- "--port $p" >/dev/null && { echo "$n: starting (pid $(pgrep -f -- "--port $p" | head -1))"; continue; }
         if needs_build "$n"; then
-            for _ in $(seq 600); do [ -f "$SH/build.done" ] && break; pgrep -f "kernels build" >/dev/null || break; sleep 1; done
+            for _ in $(seq 600); do [ -f "$SH/build.done" ] && break; building || break; sleep 1; done
             [ -f "$SH/build.done" ] || { echo "kernels build failed:"; tail -n 20 "$SH/logs/build.log"; exit 1; }
         fi
         args=(--port "$p" --served-model-name "$n"
