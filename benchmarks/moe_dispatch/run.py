@@ -182,14 +182,20 @@ HOT_FIRST_SPLIT_HOOK = (
     "      run_swap_ab(plan.cold_m, {1, plan.boundary});\n"
     "    } else if (vllm_h20_rule_mode == 12 || vllm_h20_rule_mode == 13) {\n"
     "      cudaStream_t const main_stream = stream, side = vllm_h20_fork(stream);\n"
-    "      for (int i = 0; i < 2; ++i) {\n"
-    "        if ((i == 0) == (vllm_h20_rule_mode == 12)) {\n"
-    "          stream = main_stream;\n"
-    "          run_regular(plan.hot_m, {plan.boundary + 1, deep_gemm::kAnyRows});\n"
-    "        } else {\n"
-    "          stream = side;\n"
-    "          run_swap_ab(plan.cold_m, {1, plan.boundary});\n"
-    "        }\n"
+    "      auto hot = [&] {\n"
+    "        stream = main_stream;\n"
+    "        run_regular(plan.hot_m, {plan.boundary + 1, deep_gemm::kAnyRows});\n"
+    "      };\n"
+    "      auto cold = [&] {\n"
+    "        stream = side;\n"
+    "        run_swap_ab(plan.cold_m, {1, plan.boundary});\n"
+    "      };\n"
+    "      if (vllm_h20_rule_mode == 12) {\n"
+    "        hot();\n"
+    "        cold();\n"
+    "      } else {\n"
+    "        cold();\n"
+    "        hot();\n"
     "      }\n"
     "      stream = main_stream;\n"
     "      vllm_h20_join(main_stream, side);\n"
@@ -357,13 +363,17 @@ EXPLORE = (
     Version("split", "calib", "fixed", SPLIT),
     Version("split_co", "calib", "fixed", (5, 128)),
 )
+# The columns every two-class --explore run starts with: stock, the average-only fix, the series.
+EXPLORE_BASE = (
+    Version("stock", "stock", "stock"),
+    Version("avg", "calib", "fixed", AVG_ONLY),
+    Version("fix", "patched", "fixed"),
+)
 # --explore on the shipped series: its two-class split against the hot class first (mode 6), one
 # swap-A/B launch sized for max_m up to 128 rows (mode 7) and candidates/hot-first's rule (mode
 # 8), every output checked as usual.
 CLASS_EXPLORE = (
-    Version("stock", "stock", "stock"),
-    Version("avg", "calib", "fixed", AVG_ONLY),
-    Version("fix", "patched", "fixed"),
+    *EXPLORE_BASE,
     Version("hot_first", "calib", "fixed", (6, 0)),
     Version("one_swap", "calib", "fixed", (7, 0)),
     Version("hot_first_r64", "calib", "fixed", (8, 0)),
@@ -373,9 +383,7 @@ CLASS_EXPLORE = (
 # the build alone changes). `hot_only` is a diagnostic (DIAGNOSTIC): its output is incomplete
 # wherever the cold class has rows, and that is not counted as a failed check.
 HOT_FIRST_EXPLORE = (
-    Version("stock", "stock", "stock"),
-    Version("avg", "calib", "fixed", AVG_ONLY),
-    Version("fix", "patched", "fixed"),
+    *EXPLORE_BASE,
     Version("fix_calib", "calib", "fixed", (0, 0)),
     Version("hot_only", "calib", "fixed", (10, 0)),
     Version("no_overlap", "calib", "fixed", (11, 0)),
