@@ -113,8 +113,7 @@ def test_the_branches_class_compiles_alone(tmp_path):
 def test_the_flashinfer_test_checks_the_captured_op_against_the_eager_one():
     """The test 0003 adds: both classes holding rows and the cold class empty, each replayed from
     a CUDA graph and compared with the eager call bit for bit (`graph_equal`)."""
-    (diff,) = [d for d in read_patch(_last()).files if d.path.endswith("_expected_m.py")]
-    added = "\n".join(line for h in diff.hunks for line in h.new)
+    added = dk.added_text(_last(), "test_fp8_blockscale_moe_expected_m.py")
     assert "def test_a_cuda_graph_runs_the_row_classes_as_branches_with_the_eager_output(" in added
     assert 'id="both_classes"' in added and 'id="cold_class_empty"' in added
     assert "graph_equal = bool(torch.equal(out_graph, out))" in added
