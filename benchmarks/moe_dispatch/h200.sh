@@ -12,7 +12,11 @@
 #                                           # STEPS="fused stock_tests" runs only those, and
 #                                           # STEPS="explore ..." adds run.py --explore on
 #                                           # EXPLORE_SERIES (default: the shipped one) over
-#                                           # EXPLORE_ROUTINGS x EXPLORE_TOKENS, first; exits
+#                                           # EXPLORE_ROUTINGS x EXPLORE_TOKENS, first, and
+#                                           # STEPS="profile ..." the same with --profile over
+#                                           # PROFILE_ROUTINGS x PROFILE_TOKENS (where the time
+#                                           # goes, kernel by kernel); PROFILE=1 profiles the
+#                                           # re-run too, RERUN_TOKENS limits it; exits
 #                                           # non-zero when a step failed (session log: each
 #                                           # step's exit status)
 #   benchmarks/moe_dispatch/h200.sh wait S  # follow the background run for up to S seconds
@@ -78,10 +82,10 @@ full)
     # out before them.
     all_steps="kernel emulated rerun fused stock_tests"
     for name in ${STEPS:-}; do
-        case " explore $all_steps " in
+        case " explore profile $all_steps " in
         *" $name "*) ;;
         *)
-            echo "h200.sh full: unknown step '$name' in STEPS (explore $all_steps)" >&2
+            echo "h200.sh full: unknown step '$name' in STEPS (explore profile $all_steps)" >&2
             exit 2
             ;;
         esac
@@ -107,6 +111,13 @@ full)
             --routings "${EXPLORE_ROUTINGS:-uniform,zipf,eplb,trained,same_spread,pool8,pool16}" \
             ${EXPLORE_TOKENS:+--tokens "$EXPLORE_TOKENS"} > "$S/out/explore.log" 2>&1
     }
+    run_profile() {
+        timeout 900 python3 benchmarks/moe_dispatch/run.py --flashinfer \
+            .fi/flashinfer-0.7.2.post1-src.tar.xz --work "$S/work" --series "${EXPLORE_SERIES:-}" \
+            --explore --profile --no-calibration --out "$S/out/profile" \
+            --routings "${PROFILE_ROUTINGS:-same_spread,pool16,zipf2,uniform}" \
+            --tokens "${PROFILE_TOKENS:-128,192,288,2048}" > "$S/out/profile.log" 2>&1
+    }
     run_kernel() { timeout 900 "${RUN[@]}" --out "$S/out/kernel" > "$S/out/kernel.log" 2>&1; }
     run_emulated() {
         timeout 600 "${RUN[@]}" --out "$S/out/emulated" --no-main --no-calibration \
@@ -115,6 +126,7 @@ full)
     run_rerun() {
         timeout 600 "${RUN[@]}" --out "$S/out/kernel-rerun" --no-calibration \
             --routings "${RERUN_ROUTINGS:-same_rank,same_spread,pool8,pool16,zipf2,zipf,hot}" \
+            ${RERUN_TOKENS:+--tokens "$RERUN_TOKENS"} ${PROFILE:+--profile} \
             > "$S/out/kernel-rerun.log" 2>&1
     }
     fused() { timeout "$1" bash benchmarks/fused_moe/h200.sh "$2" "$S/out/fused"; }
@@ -129,6 +141,7 @@ full)
     } > "$S/out/fused.log" 2>&1
     run_stock_tests() { MODES=stock fused 600 test > "$S/out/fused-stock-tests.log" 2>&1; }
     run_step explore "explore: other ways to run the shipped split (run.py --explore)"
+    run_step profile "profile: where each way's time goes (run.py --explore --profile)"
     run_step kernel "kernel-level A/B"
     run_step emulated "H20 emulations"
     run_step rerun "kernel-level A/B again, concentrated routings (the bar's re-run)"
@@ -145,14 +158,14 @@ wait)
         sleep 1
     done
     cat "$S/out/full.log" 2>/dev/null
-    for f in explore kernel emulated kernel-rerun fused; do
+    for f in explore profile kernel emulated kernel-rerun fused; do
         [ -f "$S/out/$f.log" ] && { echo "--- $f.log"; tail -n 4 "$S/out/$f.log"; }
     done
     ;;
 collect)
     OUT=$(realpath -m "${2:?output directory}")
     mkdir -p "$OUT"
-    for part in explore kernel kernel-rerun fused emulated smoke; do
+    for part in explore profile kernel kernel-rerun fused emulated smoke; do
         [ -d "$S/out/$part" ] && tar -czf "$OUT/$part.tgz" -C "$S/out" "$part"
     done
     tar -czf "$OUT/logs.tgz" -C "$S/out" $(cd "$S/out" && ls ./*.log ./*.csv 2>/dev/null)

@@ -132,6 +132,102 @@ def time_graphs(torch, graphs: list, samples: int = SAMPLES, warmups: int = WARM
     return out
 
 
+def loop_time(torch, graph, replays: int = 20, samples: int = 8) -> list[float]:
+    """Seconds per replay of `replays` back-to-back replays of one graph, `samples` times: the
+    GPU-bound rate, where the next replay's launch overlaps this one (time_graphs times each
+    replay alone, launch latency included)."""
+    graph.replay()
+    torch.cuda.synchronize()
+    out = []
+    for _ in range(samples):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        for _ in range(replays):
+            graph.replay()
+        b.record()
+        b.synchronize()
+        out.append(a.elapsed_time(b) / 1e3 / replays)
+    return out
+
+
+def trace_graph(torch, graph, replays: int = 20) -> list[tuple[str, float, float]]:
+    """Every kernel of `replays` replays of one graph as the profiler (CUPTI) saw it: (name,
+    start us, duration us), in start order. Read from the profiler's own trace file (its event
+    list's fields for kernels differ between torch versions)."""
+    import json
+    import tempfile
+
+    from torch.profiler import ProfilerActivity, profile
+
+    for _ in range(3):
+        graph.replay()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(replays):
+            graph.replay()
+        torch.cuda.synchronize()
+    with tempfile.TemporaryDirectory() as d:
+        path = Path(d) / "trace.json"
+        prof.export_chrome_trace(str(path))
+        events = json.loads(path.read_text()).get("traceEvents", [])
+    kernels = [(e["name"], float(e["ts"]), float(e["dur"])) for e in events
+               if e.get("cat") == "kernel" and e.get("ph") == "X"]  # fmt: skip
+    return sorted(kernels, key=lambda k: k[1])
+
+
+def kernel_kind(name: str) -> str:
+    """A DeepGEMM kernel's short name: which kernel (regular or swap-A/B); anything else by the
+    name before its template arguments."""
+    if "fp8_gemm_kernel_swapAB" in name:
+        return "swap_ab"
+    if "fp8_gemm_kernel" in name:
+        return "regular"
+    return name.split("<")[0].split("(")[0].removeprefix("void ").strip()[:60]
+
+
+def trace_summary(kernels: list[tuple[str, float, float]], replays: int) -> dict:
+    """Medians over the replays of a graph's trace (trace_graph): the span from its first
+    kernel's start to its last kernel's end, the time some kernel runs (busy) and the rest
+    (idle: launch and dependency gaps inside the graph), and each kernel's start offset and
+    duration by its place in the graph. Where the kernels do not split evenly into replays
+    (the profiler lost some), only their count is given."""
+    n = len(kernels)
+    if replays <= 0 or n == 0 or n % replays:
+        return {"kernels_seen": n, "replays": replays, "uneven": True}
+    k = n // replays
+    per = [kernels[i * k : (i + 1) * k] for i in range(replays)]
+    spans, busy = [], []
+    for rep in per:
+        t0 = min(s for _, s, _ in rep)
+        spans.append(max(s + d for _, s, d in rep) - t0)
+        covered, end = 0.0, t0
+        for _, s, d in sorted(rep, key=lambda x: x[1]):
+            if s + d > end:
+                covered += s + d - max(s, end)
+                end = s + d
+        busy.append(covered)
+    # A kernel is known by its kind and how many of that kind started before it in its replay
+    # (two parallel branches may start in either order from one replay to the next).
+    by_key: dict[str, list[tuple[float, float]]] = {}
+    for rep in per:
+        t0, seen = rep[0][1], {}
+        for name, s, d in rep:
+            kind = kernel_kind(name)
+            seen[kind] = seen.get(kind, -1) + 1
+            by_key.setdefault(f"{kind}#{seen[kind]}", []).append((s - t0, d))
+    med = statistics.median
+    return {
+        "kernels_per_replay": k,
+        "span_us": med(spans),
+        "busy_us": med(busy),
+        "idle_us": med(s - b for s, b in zip(spans, busy, strict=True)),
+        "kernels": {
+            key: {"start_us": med(s for s, _ in v), "us": med(d for _, d in v), "replays": len(v)}
+            for key, v in by_key.items()
+        },  # fmt: skip
+    }
+
+
 def weight_bytes(counts: np.ndarray) -> int:
     active = int((counts > 0).sum())
     return sum(s.weight_bytes(active) for s in cases.SHAPES)

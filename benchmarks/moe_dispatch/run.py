@@ -48,10 +48,13 @@ import cases  # noqa: E402
 from harness import (  # noqa: E402
     graph_of,
     log,
+    loop_time,
     measure_copy_bandwidth,
     measure_fp8_tflops,
     rel,
     time_graphs,
+    trace_graph,
+    trace_summary,
     unpack_flashinfer,
     weight_bytes,
     write_json,
@@ -575,11 +578,13 @@ def diagnostic_check(case: RankCase) -> dict[str, float]:
         return {s.name: float("inf") for s in cases.SHAPES}
 
 
-def ab_case(gpu: Gpu, versions: dict, routing: str, tokens: int, bw: float) -> dict:
+def ab_case(gpu: Gpu, versions: dict, routing: str, tokens: int, bw: float,
+            profile: bool = False) -> dict:  # fmt: skip
     """Every rank of one routing/token case in every version: check, then time in graphs.
 
     versions: name -> (module, "stock" | "fixed", rule): which expected_m the runner is given
-    and the calib build's rule (None: the build's own)."""
+    and the calib build's rule (None: the build's own). profile: then trace each version's
+    graph at the slowest rank (profile_rank)."""
     torch = gpu.torch
     slots = cases.route(routing, tokens)
     fixed_m = per_expert_expected_m(tokens, cases.TOP_K, cases.LOCAL, cases.EP)
@@ -614,6 +619,13 @@ def ab_case(gpu: Gpu, versions: dict, routing: str, tokens: int, bw: float) -> d
     raw = time_graphs(torch, [graphs[v][i] for v, i in order])
     samples = {v: [[row[order.index((v, i))] for i in range(cases.EP)] for row in raw]
                for v in versions}  # fmt: skip
+    traced = None
+    if profile:
+        try:
+            traced = profile_rank(graphs, samples, torch)
+        except Exception as e:  # noqa: BLE001 - a lost trace must not fail the A/B's own row
+            log(f"{routing} {tokens} tok: profile failed: {e}")
+            traced = {"error": str(e)[:500]}
     del graphs, keep
     skew = np.bincount(slots.ravel(), minlength=cases.SLOTS)
     row = {"routing": routing, "tokens": tokens, "stock_expected_m": tokens,
@@ -648,6 +660,8 @@ def ab_case(gpu: Gpu, versions: dict, routing: str, tokens: int, bw: float) -> d
         max(d.values()) for r in per_rank for d in r["agreement"].values()
     )
     row["ok"] = row["max_rel_err"] < 1e-2 and row["max_disagreement"] < 1e-2
+    if traced:
+        row["profile"] = traced
     log(
         f"{routing:8s} {tokens:5d} tok: "
         + ", ".join(f"{v} {row[f'{v}_s'] * 1e3:.3f} ms" for v in versions)
@@ -658,11 +672,36 @@ def ab_case(gpu: Gpu, versions: dict, routing: str, tokens: int, bw: float) -> d
     return row
 
 
-def checked_case(gpu: Gpu, versions: dict, routing: str, tokens: int, bw: float) -> dict:
+PROFILE_REPLAYS = 20
+
+
+def profile_rank(graphs: dict, samples: dict, torch) -> dict:
+    """Where each version's time goes at the rank the series is slowest on (`fix`, else the
+    second version): its kernels as the profiler saw them over PROFILE_REPLAYS replays
+    (trace_summary: span, busy, idle, each kernel), and the rate of as many back-to-back
+    replays (loop_us: the next replay's launch hidden). The CUDA-event median beside them is
+    the A/B's own time for that rank."""
+    names = list(samples)
+    lead = "fix" if "fix" in samples else names[1]
+    rank = max(range(cases.EP), key=lambda r: statistics.median(x[r] for x in samples[lead]))
+    out: dict = {"rank": rank, "replays": PROFILE_REPLAYS, "versions": {}}
+    for v in names:
+        g = graphs[v][rank]
+        out["versions"][v] = trace_summary(
+            trace_graph(torch, g, PROFILE_REPLAYS), PROFILE_REPLAYS
+        ) | {  # fmt: skip
+            "event_us": statistics.median(x[rank] for x in samples[v]) * 1e6,
+            "loop_us": statistics.median(loop_time(torch, g, PROFILE_REPLAYS)) * 1e6,
+        }
+    return out
+
+
+def checked_case(gpu: Gpu, versions: dict, routing: str, tokens: int, bw: float,
+                 profile: bool = False) -> dict:  # fmt: skip
     """ab_case, with a failure recorded as a failed row (the run goes on, unless CUDA's context
     is lost, which the row says)."""
     try:
-        return ab_case(gpu, versions, routing, tokens, bw)
+        return ab_case(gpu, versions, routing, tokens, bw, profile)
     except Exception as e:  # noqa: BLE001 - a wrong or unwritten output is a result here
         log(f"{routing} {tokens} tok: FAILED: {e}")
         row = {"routing": routing, "tokens": tokens, "ok": False, "error": str(e)[:2000]}
@@ -848,6 +887,30 @@ def print_table(rows: list[dict]) -> None:
             for n in names))  # fmt: skip
 
 
+def print_profile(rows: list[dict]) -> None:
+    """--profile's table: per case and version, at the slowest rank, the A/B's CUDA-event median
+    (event), back-to-back replays (loop), and the profiler's span, busy and idle time, and each
+    kernel's duration (us)."""
+    traced = [r for r in rows if r.get("profile", {}).get("versions")]
+    if not traced:
+        return
+    print("\nwhere the time goes (us; event: the A/B's median at that rank; loop: back-to-back "
+          "replays; span = busy + idle: the profiler's)")  # fmt: skip
+    print("routing      tokens rank version               event    loop    span    busy    idle"
+          "  kernels")  # fmt: skip
+    for r in traced:
+        pr = r["profile"]
+        for v, s in pr["versions"].items():
+            if s.get("uneven"):
+                times = f"{'':>7s} {'':>7s} {'':>7s}  {s['kernels_seen']} kernels, uneven"
+            else:
+                times = f"{s['span_us']:7.1f} {s['busy_us']:7.1f} {s['idle_us']:7.1f}  " + " ".join(
+                    f"{k} {x['us']:.1f}" for k, x in s["kernels"].items()
+                )
+            print(f"{r['routing']:12s} {r['tokens']:6d} {pr['rank']:4d} {v:20s} "
+                  f"{s['event_us']:7.1f} {s['loop_us']:7.1f} {times}")  # fmt: skip
+
+
 def emulate(args, name: str, sms: int, grid: int) -> dict:
     """One H20 emulation in a child process (the calib build reads the SM count at load)."""
     env = dict(os.environ, VLLM_H20_NUM_SMS=str(sms), VLLM_H20_GRID_SMS=str(grid))
@@ -911,6 +974,14 @@ def parse_args() -> argparse.Namespace:
                          "swap-A/B launch up to 128 rows and the hot-first rule; with the "
                          "fitted-tile series, the previous plan and the split with the largest "
                          "carveout for every kernel")  # fmt: skip
+    ap.add_argument(
+        "--profile",
+        action="store_true",
+        help="after each case's timing, trace every version's graph at the rank the "
+        "series is slowest on (torch's profiler, 20 replays: each kernel's "
+        "duration and the idle time between kernels) and time 20 back-to-back "
+        "replays; the tables then say where a version's extra time goes",
+    )
     ap.add_argument("--emulate-child", default="", help=argparse.SUPPRESS)
     return ap.parse_args()
 
@@ -984,15 +1055,15 @@ def compile_all(args, data: Path, kind: str, run_versions, token_list, emulation
 
 
 def ab_cases(gpu, versions: dict, routings, token_list, bw: float, out_json: Path,
-             result: dict) -> list[dict]:  # fmt: skip
+             result: dict, profile: bool = False) -> list[dict]:  # fmt: skip
     """The A/B per routing x tokens, every rank, every version; written as it goes."""
     rows: list[dict] = []
     for routing in routings:
         for tokens in token_list:
-            row = checked_case(gpu, versions, routing, tokens, bw)
+            row = checked_case(gpu, versions, routing, tokens, bw, profile)
             if row.get("speedup", 1.0) < 0.98:
                 # Under 0.98x stock: run it again; both runs are kept (the second decides).
-                again = checked_case(gpu, versions, routing, tokens, bw)
+                again = checked_case(gpu, versions, routing, tokens, bw, profile)
                 row = again | {"first_run": {k: row[k] for k in row if k != "ranks"}}
             rows.append(row)
             write_json(out_json, result | {"ab": rows})
@@ -1043,7 +1114,7 @@ def main() -> None:
     result["versions"] = {v.name: {"variant": v.variant, "expected_m": v.kind, "rule": v.rule}
                           for v in run_versions}  # fmt: skip
     rows = [] if args.no_main else ab_cases(gpu, versions, routings, token_list, bw, out_json,
-                                            result)  # fmt: skip
+                                            result, args.profile)  # fmt: skip
     result["ab"] = rows
     result["phases"]["ab_s"] = time.time() - t_start
     if not args.no_calibration:
@@ -1065,6 +1136,7 @@ def report(rows: list[dict], emulations, result: dict) -> bool:
     """Print the tables; whether every output of every case checked out."""
     if rows:
         print_table(rows)
+        print_profile(rows)
     for name, *_ in emulations:
         if result[name].get("ab"):
             print(f"\n{name}:")

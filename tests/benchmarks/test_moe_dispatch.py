@@ -142,9 +142,63 @@ def test_full_refuses_an_unknown_step_before_running_any(tmp_path):
     r = _full(tmp_path, "kernel fussed")
     assert r.returncode == 2 and r.stdout == ""
     assert r.stderr.strip() == (
-        "h200.sh full: unknown step 'fussed' in STEPS (explore kernel emulated rerun fused "
-        "stock_tests)"
+        "h200.sh full: unknown step 'fussed' in STEPS (explore profile kernel emulated rerun "
+        "fused stock_tests)"
     )
+
+
+def _harness():
+    return load_script(HERE / "harness.py", "moe_dispatch_harness")
+
+
+REGULAR = "void deep_gemm::fp8_gemm_kernel<128u, 5120u, 128u>(float*, int)"
+SWAP = "void deep_gemm::fp8_gemm_kernel_swapAB<128u, 24u>(float*, int)"
+
+
+def test_trace_summary_splits_replays_and_counts_parallel_branches_once():
+    """Two replays of a graph whose two branches start in either order: the kernels are
+    known by kind and order of their kind, busy time counts overlapping kernels once, and the
+    gaps between them are the idle time."""
+    h = _harness()
+    trace = [  # (name, start us, duration us)
+        (REGULAR, 0.0, 20.0), (SWAP, 1.0, 2.0), (REGULAR, 25.0, 10.0), (SWAP, 26.0, 1.0),
+        (SWAP, 100.0, 2.0), (REGULAR, 101.0, 22.0), (REGULAR, 128.0, 10.0), (SWAP, 129.0, 3.0),
+    ]  # fmt: skip
+    s = h.trace_summary(trace, replays=2)
+    assert s["kernels_per_replay"] == 4
+    assert s["span_us"] == pytest.approx((35.0 + 38.0) / 2)
+    assert s["busy_us"] == pytest.approx((30.0 + 33.0) / 2)  # 20 + 10, then 23 + 10
+    assert s["idle_us"] == pytest.approx(5.0)
+    assert list(s["kernels"]) == ["regular#0", "swap_ab#0", "regular#1", "swap_ab#1"]
+    assert s["kernels"]["regular#0"]["us"] == pytest.approx(21.0)
+    assert s["kernels"]["swap_ab#0"]["start_us"] == pytest.approx(0.5)  # 1 after, 0 before
+    assert all(k["replays"] == 2 for k in s["kernels"].values())
+
+
+def test_trace_summary_refuses_a_trace_that_lost_kernels():
+    h = _harness()
+    assert h.trace_summary([(REGULAR, 0.0, 1.0)] * 3, replays=2) == {
+        "kernels_seen": 3, "replays": 2, "uneven": True,
+    }  # fmt: skip
+    assert h.kernel_kind("void at::native::vectorized_elementwise_kernel<4, X>(int)") == (
+        "at::native::vectorized_elementwise_kernel"
+    )
+
+
+def test_profile_table_prints_each_version_at_the_slowest_rank(capsys):
+    run = _run_py()
+    h = _harness()
+    summary = h.trace_summary([(REGULAR, 0.0, 20.0), (REGULAR, 22.0, 18.0)], replays=1)
+    row = {"routing": "same_spread", "tokens": 192, "profile": {"rank": 3, "replays": 1,
+           "versions": {"stock": summary | {"event_us": 53.4, "loop_us": 41.0},
+                        "branches": {"kernels_seen": 3, "replays": 1, "uneven": True,
+                                     "event_us": 54.4, "loop_us": 42.0}}}}  # fmt: skip
+    run.print_profile([row, {"routing": "uniform", "tokens": 64}])
+    out = capsys.readouterr().out.splitlines()
+    assert out[-2].split() == ["same_spread", "192", "3", "stock", "53.4", "41.0", "40.0", "38.0",
+                               "2.0", "regular#0", "20.0", "regular#1", "18.0"]  # fmt: skip
+    assert out[-1].split()[:6] == ["same_spread", "192", "3", "branches", "54.4", "42.0"]
+    assert out[-1].endswith("3 kernels, uneven")
 
 
 def test_eplb_routing_is_skewed_like_what_eplb_leaves():
