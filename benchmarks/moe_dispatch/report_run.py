@@ -368,6 +368,32 @@ def explore_section(path: Path) -> list[str]:
     return out
 
 
+def profile_section(res: dict) -> list[str]:
+    """run.py --profile's rows: per case and version, at the rank the series is slowest on, the
+    A/B's CUDA-event median, back-to-back replays, and the profiler's span, busy and idle time
+    and each kernel (us)."""
+    label = NAMES | EXPLORE_NAMES
+    out = [
+        "| routing | tokens | rank | version | event | loop | span | busy | idle | kernels |",
+        "|---|---:|---:|---|---:|---:|---:|---:|---:|---|",
+    ]
+    for r in res["ab"]:
+        pr = r.get("profile") or {}
+        for v, s in pr.get("versions", {}).items():
+            if s.get("uneven"):
+                trace = f"| | | | {s['kernels_seen']} kernels in {s['replays']} replays (uneven)"
+            else:
+                trace = (
+                    f"| {s['span_us']:.1f} | {s['busy_us']:.1f} | {s['idle_us']:.1f} | "
+                    + ", ".join(f"{k} {x['us']:.1f}" for k, x in s["kernels"].items())
+                )
+            out.append(
+                f"| {r['routing']} | {r['tokens']} | {pr['rank']} | {label.get(v, v)} | "
+                f"{s['event_us']:.1f} | {s['loop_us']:.1f} {trace} |"
+            )
+    return out
+
+
 def fused_section(folder: Path, cand: dict, tag: str) -> list[str]:
     """The fused-op A/B and FlashInfer's tests of the run's candidate module (cand: CANDIDATES;
     tag: the GPU the folder's files are named for)."""
@@ -815,6 +841,17 @@ def render(folder: Path, tag: str) -> str:
         ]
     for f in sorted(folder.glob(f"explore_*_{tag}.json")):
         out += [f"## Explored: `{f.name}`", "", *explore_section(f), ""]
+    for f in [folder / f"kernel_{tag}.json", *sorted(folder.glob(f"explore_*_{tag}.json"))]:
+        traced = json.loads(f.read_text())
+        if any((r.get("profile") or {}).get("versions") for r in traced["ab"]):
+            out += [f"## Where the time goes: `{f.name}` (--profile)", "",
+                    "At the rank the series is slowest on, in us: event = the A/B's CUDA-event "
+                    "median (each replay timed alone); loop = 20 replays back to back (the next "
+                    "replay's launch hidden); span = busy + idle, from torch's profiler over 20 "
+                    "replays: time some kernel runs, and the gaps between kernels inside the "
+                    "graph; each kernel by kind and order (regular#0: the first regular-kernel "
+                    "launch, FC1's; #1: FC2's).", "",
+                    *profile_section(traced), ""]  # fmt: skip
     fused = fused_section(folder, candidate_of(res), tag)
     if fused:
         out += ["## Through FlashInfer's fused op (candidate module)", "", *fused, ""]

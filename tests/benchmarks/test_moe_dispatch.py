@@ -480,3 +480,24 @@ def test_the_model_charges_the_graph_branch_as_its_own_second_launch():
     assert both[0] == both[1] > 0
     fits[model.IN_BRANCH] = dataclasses.replace(fit, c0=0.0)
     assert model.predict(fits, counts, 192, "branches", 132) < both[0]
+
+
+def test_profile_section_renders_each_traced_version_and_skips_untraced_cases():
+    report = load_script(HERE / "report_run.py", "moe_dispatch_report_run")
+    h = _harness()
+    summary = h.trace_summary([(REGULAR, 0.0, 20.0), (SWAP, 1.0, 1.5), (REGULAR, 22.0, 18.0)], 1)
+    rows = [
+        {"routing": "uniform", "tokens": 64},
+        {"routing": "same_spread", "tokens": 192, "profile": {"error": "CUPTI unavailable"}},
+        {"routing": "same_spread", "tokens": 288, "profile": {"rank": 2, "replays": 1, "versions": {
+            "stock": summary | {"event_us": 57.3, "loop_us": 45.0},
+            "hot_only": {"kernels_seen": 5, "replays": 2, "uneven": True, "event_us": 59.3,
+                         "loop_us": 47.0}}}},
+    ]  # fmt: skip
+    lines = report.profile_section({"ab": rows})
+    assert lines[2:] == [
+        "| same_spread | 288 | 2 | stock | 57.3 | 45.0 | 40.0 | 38.0 | 2.0 | "
+        "regular#0 20.0, swap_ab#0 1.5, regular#1 18.0 |",
+        "| same_spread | 288 | 2 | hot launch alone (mode 10; diagnostic) | 59.3 | 47.0 "
+        "| | | | 5 kernels in 2 replays (uneven) |",
+    ]
