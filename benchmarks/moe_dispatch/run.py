@@ -222,6 +222,16 @@ BRANCHES_HOOKS = (*HOT_FIRST_HOOKS,
                    "                 vllm_h20_rule_mode == 9 ? nullptr\n"
                    "                                         : RowClassBranches::when_capturing("
                    "stream)) {"))  # fmt: skip
+# candidates/overlap-quantize (0003: the hot launch overlaps the kernel before it, the grouped
+# quantization of the activations): rule mode 9 makes it without programmatic dependent launch,
+# which leaves the shipped series' dispatch (its kernels wait first, a no-op then): its `prev`.
+OVERLAP_QUANTIZE_LINE = (
+    "    run_regular(plan.hot_m, {plan.boundary + 1, deep_gemm::kAnyRows}, /*overlap=*/true);"
+)
+OVERLAP_QUANTIZE_HOOKS = (*HOT_FIRST_HOOKS,
+                          (OVERLAP_QUANTIZE_LINE,
+                           "    run_regular(plan.hot_m, {plan.boundary + 1, deep_gemm::kAnyRows},\n"
+                           "                /*overlap=*/vllm_h20_rule_mode != 9);"))  # fmt: skip
 SHIPPED_TWO_LAUNCH = (9, 0)
 CANDIDATE = "candidates/fitted-row-tiles"
 
@@ -232,21 +242,25 @@ def series_kind(kernel_cuh: str) -> str:
     rows, the hot class first), "classes" (candidates/whole-expert-tiles: row classes bounded by
     the GPU's ridge, cold class first), "one_launch" (candidates/one-launch: hot_first with both
     classes in one launch), "branches" (candidates/graph-branches: hot_first with the classes on
-    parallel branches of a CUDA graph) or "shipped" (candidates/estimated-row-classes, shipped
-    until 2026-12-03; the name kept for the published runs)."""
+    parallel branches of a CUDA graph), "overlap_quantize" (candidates/overlap-quantize: hot_first
+    with the hot launch overlapping the kernel before it) or "shipped"
+    (candidates/estimated-row-classes, shipped until 2026-12-03; the name kept for the published
+    runs)."""
     if "plan_launches(" in kernel_cuh:
         return "fitted"
     if "run_both(" in kernel_cuh:
         return "one_launch"
     if "RowClassBranches" in kernel_cuh:
         return "branches"
-    if "kNarrowRegularRows" in kernel_cuh:
-        return "hot_first"
+    if "kNarrowRegularRows" in kernel_cuh:  # the quantization lets the hot launch overlap it
+        return (
+            "overlap_quantize" if "griddepcontrol.launch_dependents" in kernel_cuh else "hot_first"
+        )
     return "classes" if "ridge_rows(" in kernel_cuh else "shipped"
 
 
 # The kinds with two row classes, measured with the same versions and hooks.
-CLASS_KINDS = ("classes", "hot_first", "one_launch", "branches")
+CLASS_KINDS = ("classes", "hot_first", "one_launch", "branches", "overlap_quantize")
 
 
 CALIB_DECLS = (
@@ -301,6 +315,7 @@ def prepare_sources(data: Path, work: Path, variant: str, series: str = "") -> P
             "hot_first": HOT_FIRST_EXPLORE_HOOKS,
             "one_launch": ONE_LAUNCH_HOOKS,
             "branches": BRANCHES_HOOKS,
+            "overlap_quantize": OVERLAP_QUANTIZE_HOOKS,
             "shipped": SHIPPED_HOOKS,
         }[series_kind(text)]
         for line, hook in hooks:
@@ -404,9 +419,10 @@ CLASS_EMU_VERSIONS = (*EMU_VERSIONS[:2], Version("prev", "calib", "fixed", PREV)
 
 
 def with_shipped_as_prev(versions: tuple[Version, ...], kind: str) -> tuple[Version, ...]:
-    """For candidates/one-launch and graph-branches, `prev` is the shipped series' dispatch (rule
-    mode 9: two launches on the caller's stream, the cold one overlapping the hot one)."""
-    if kind not in ("one_launch", "branches"):
+    """For candidates/one-launch, graph-branches and overlap-quantize, `prev` is the shipped
+    series' dispatch (rule mode 9: two launches on the caller's stream, the cold one overlapping
+    the hot one, the hot one not overlapping what comes before it)."""
+    if kind not in ("one_launch", "branches", "overlap_quantize"):
         return versions
     return tuple(Version(v.name, v.variant, v.kind, SHIPPED_TWO_LAUNCH) if v.name == "prev" else v
                  for v in versions)  # fmt: skip

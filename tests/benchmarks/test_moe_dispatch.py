@@ -49,7 +49,8 @@ def test_calibration_hooks_apply_to_the_patched_sources(tmp_path):
              ("candidates/estimated-row-classes", "shipped"),
              ("candidates/whole-expert-tiles", "classes"),
              ("candidates/one-launch", "one_launch"),
-             ("candidates/graph-branches", "branches"))  # fmt: skip
+             ("candidates/graph-branches", "branches"),
+             ("candidates/overlap-quantize", "overlap_quantize"))  # fmt: skip
     for series, kind in kinds:
         work = tmp_path / (series.replace("/", "-") or "shipped")
         for variant in run.VARIANTS:
@@ -75,6 +76,10 @@ def test_calibration_hooks_apply_to_the_patched_sources(tmp_path):
             )
             assert ("vllm_h20_rule_mode == 9 ? nullptr" in text) is (
                 variant == "calib" and kind == "branches"
+            )
+            # overlap-quantize: rule mode 9 makes its hot launch without PDL (the same)
+            assert ("/*overlap=*/vllm_h20_rule_mode != 9);" in text) is (
+                variant == "calib" and kind == "overlap_quantize"
             )
             launchers = (nv / run.FP8_GEMM_CUH).read_text()
             assert ("vllm_h20_grid(num_sms)" in launchers) is (variant == "calib")

@@ -113,14 +113,16 @@ def test_git_am_applies_and_matches_our_applier(wheel_root, tmp_path):
 @pytest.mark.parametrize(
     "series",
     ["candidates/fitted-row-tiles", "candidates/estimated-row-classes",
-     "candidates/whole-expert-tiles", "candidates/one-launch", "candidates/graph-branches"],
+     "candidates/whole-expert-tiles", "candidates/one-launch", "candidates/graph-branches",
+     "candidates/overlap-quantize"],
 )  # fmt: skip
 def test_the_candidate_series_applies_to_every_release(wheel_root, monkeypatch, series):
     """The candidate series (VLLM_H20_PATCH_SERIES) apply as the shipped series does (their
     kernels' compile checks: tests/moe/test_deepgemm_fitted.py, test_deepgemm_row_class.py;
     whole-expert-tiles has the shipped series' kernels, test_deepgemm_whole_expert.py;
     one-launch's dual kernel, test_deepgemm_one_launch.py; graph-branches, whose kernels are the
-    shipped series', test_deepgemm_graph_branches.py)."""
+    shipped series', test_deepgemm_graph_branches.py; overlap-quantize,
+    test_deepgemm_overlap_quantize.py)."""
     src = flashinfer_src.from_package_dir(wheel_root)
     monkeypatch.setenv(overlay.SERIES_ENV, series)
     a = overlay.assess(src, overlay.shipped_patches(src.version))
