@@ -182,6 +182,8 @@ def kernel_kind(name: str) -> str:
         return "swap_ab"
     if "fp8_gemm_kernel" in name:
         return "regular"
+    if "scale_1x128_kernel" in name:  # FlashInfer's grouped quantization of the activations
+        return "quantize"
     return name.split("<")[0].split("(")[0].removeprefix("void ").strip()[:60]
 
 

@@ -105,6 +105,19 @@ CANDIDATES = {
         "off (rule mode 9; the same kernels, 0003 changes none)",
         "title": "the shipped per-expert dispatch and the graph-branch candidate",
     },
+    "overlap_quantize": {
+        "fix": "hot launch overlapping (candidate)",
+        "fix_again": "hot launch overlapping again (A/A)",
+        "series": "candidates/overlap-quantize",
+        "reproduce": "`SERIES=candidates/overlap-quantize STEPS=rerun RERUN_ROUTINGS=uniform,zipf,"
+        "hot,eplb,same_rank,same_spread,pool8,pool16,zipf2,trained RERUN_TOKENS=128,192,288,2048 "
+        "PROFILE=1 bash benchmarks/moe_dispatch/h200.sh start` (then `wait`, `collect`)",
+        "short": "hot launch overlapping",
+        "lead": "Hot launch overlapping",
+        "prev_kernels": "the shipped series' dispatch, the candidate's build with the hot "
+        "launch made without PDL (rule mode 9; its kernels wait first, a no-op then)",
+        "title": "the shipped per-expert dispatch and the overlapping-hot-launch candidate",
+    },
 }
 # Series whose runs predate run.py's name for their kind (recorded as "classes").
 SERIES_KIND = {"candidates/hot-first": "hot_first"}
@@ -167,7 +180,7 @@ def prev_plan(plan: str) -> str:
     """The model's name for a run's `prev` column: the shipped hot-first plan for the one-launch
     and graph-branch candidates (built beside them), else the per-expert plan shipped until
     2026-12-03 (split)."""
-    return "hot_first" if plan in ("one_launch", "branches") else "split"
+    return "hot_first" if plan in ("one_launch", "branches", "overlap_quantize") else "split"
 
 
 def labels(res: dict) -> dict[str, str]:
@@ -339,14 +352,20 @@ EXPLORE_NAMES = {
 }
 
 
-def explore_section(path: Path) -> list[str]:
-    res = json.loads(path.read_text())
-    vs = [v for v in res["ab"][0]["speedups"]]
+def explore_labels(res: dict) -> dict[str, str]:
+    """Column names of an --explore run (its `fix` is the series it was run on)."""
     label = NAMES | EXPLORE_NAMES
     if res.get("series") == "shipped" and res.get("series_kind") == "classes":
         label = label | {"fix": "shipped whole-expert tiles (0001 + 0002)"}
     if res.get("series") == "shipped" and res.get("series_kind") == "hot_first":
         label = label | {"fix": "shipped hot-first (0001 + 0002)"}
+    return label
+
+
+def explore_section(path: Path) -> list[str]:
+    res = json.loads(path.read_text())
+    vs = [v for v in res["ab"][0]["speedups"]]
+    label = explore_labels(res)
     out = [
         f"`{res['command']}`",
         "",
@@ -368,11 +387,17 @@ def explore_section(path: Path) -> list[str]:
     return out
 
 
-def profile_section(res: dict) -> list[str]:
+def kernel_key(key: str) -> str:
+    """A profiled kernel's key (harness.kernel_kind + "#" + its order) with FlashInfer's grouped
+    activation quantization (scale_1x128_kernel) called what it does."""
+    kind, _, order = key.rpartition("#")
+    return ("quantize" if "scale_1x128" in kind else kind) + "#" + order
+
+
+def profile_section(res: dict, label: dict[str, str]) -> list[str]:
     """run.py --profile's rows: per case and version, at the rank the series is slowest on, the
     A/B's CUDA-event median, back-to-back replays, and the profiler's span, busy and idle time
     and each kernel (us)."""
-    label = NAMES | EXPLORE_NAMES
     out = [
         "| routing | tokens | rank | version | event | loop | span | busy | idle | kernels |",
         "|---|---:|---:|---|---:|---:|---:|---:|---:|---|",
@@ -385,7 +410,7 @@ def profile_section(res: dict) -> list[str]:
             else:
                 trace = (
                     f"| {s['span_us']:.1f} | {s['busy_us']:.1f} | {s['idle_us']:.1f} | "
-                    + ", ".join(f"{k} {x['us']:.1f}" for k, x in s["kernels"].items())
+                    + ", ".join(f"{kernel_key(k)} {x['us']:.1f}" for k, x in s["kernels"].items())
                 )
             out.append(
                 f"| {r['routing']} | {r['tokens']} | {pr['rank']} | {label.get(v, v)} | "
@@ -769,7 +794,8 @@ def _header(res: dict, versions: list[str], tag: str) -> list[str]:
         f"- Method: FC1 (N 4608, K 5120) + FC2 (N 5120, K 2304) of all 8 EP ranks of "
         "DeepSeek-V4.1-Flash (50 of 400 slots, top-6) on one GPU, CUDA graphs, 5 warm-ups and "
         f"24 samples, per sample the slowest rank, the median; {len(res['ab'])} cases "
-        f"({len(cases.ALL_ROUTINGS)} routings x {len(cases.TOKENS)} token counts); every rank's "
+        f"({len({r['routing'] for r in res['ab']})} routings x "
+        f"{len({r['tokens'] for r in res['ab']})} token counts); every rank's "
         "output of every version checked against an fp32 reference (1e-2) and the others; a "
         "case where the candidate was under 0.98x stock was run again and the second run "
         "kept (the first in its own column). A/A (the candidate timed twice): median "
@@ -843,6 +869,7 @@ def render(folder: Path, tag: str) -> str:
         out += [f"## Explored: `{f.name}`", "", *explore_section(f), ""]
     for f in [folder / f"kernel_{tag}.json", *sorted(folder.glob(f"explore_*_{tag}.json"))]:
         traced = json.loads(f.read_text())
+        names = label if f.name.startswith("kernel_") else explore_labels(traced)
         if any((r.get("profile") or {}).get("versions") for r in traced["ab"]):
             out += [f"## Where the time goes: `{f.name}` (--profile)", "",
                     "At the rank the series is slowest on, in us: event = the A/B's CUDA-event "
@@ -851,7 +878,7 @@ def render(folder: Path, tag: str) -> str:
                     "replays: time some kernel runs, and the gaps between kernels inside the "
                     "graph; each kernel by kind and order (regular#0: the first regular-kernel "
                     "launch, FC1's; #1: FC2's).", "",
-                    *profile_section(traced), ""]  # fmt: skip
+                    *profile_section(traced, names), ""]  # fmt: skip
     fused = fused_section(folder, candidate_of(res), tag)
     if fused:
         out += ["## Through FlashInfer's fused op (candidate module)", "", *fused, ""]

@@ -460,6 +460,27 @@ def test_graph_branches_run_readme_is_rendered_from_its_files(tmp_path):
     assert kernel["versions"]["prev"]["rule"] == [9, 0]
 
 
+def test_kernel_profile_run_readme_is_rendered_from_its_files(tmp_path):
+    """benchmarks/results/moe_dispatch/kernel-profile-h100/README.md: the overlap-quantize
+    candidate against the shipped plan (its `prev`, rule mode 9) on an H100, and both runs'
+    --profile tables, with the quantization kernel named as such and the explore's own labels."""
+    src = RESULTS / "moe_dispatch" / "kernel-profile-h100"
+    text = _rerendered(src, tmp_path)
+    tables = text.split("## Summary", 1)[1]
+    assert "hot launch overlapping (candidate)" in tables and "fitted tiles" not in tables
+    assert "(10 routings x 4 token counts)" in text
+    for name in ("kernel_h100.json", "explore_shipped_h100.json"):
+        assert f"## Where the time goes: `{name}` (--profile)" in tables
+    assert "| same_spread | 192 | 2 | hot launch alone (mode 10; diagnostic) | 57.1 |" in tables
+    assert "quantize#0" in tables and "scale_1x128" not in tables
+    kernel = json.loads((src / "kernel_h100.json").read_text())
+    assert kernel["series_kind"] == "overlap_quantize" and kernel["versions"]["prev"]["rule"] == [
+        9,
+        0,
+    ]
+    assert all(r["ok"] and r["profile"]["versions"] for r in kernel["ab"])
+
+
 def test_the_model_charges_the_graph_branch_as_its_own_second_launch():
     """model.row_class_launches(branch=True): the hot-first plan's launches, its split's cold
     launch named IN_BRANCH (its own fixed cost); single launches are the hot-first plan's. With
@@ -499,7 +520,7 @@ def test_profile_section_renders_each_traced_version_and_skips_untraced_cases():
             "hot_only": {"kernels_seen": 5, "replays": 2, "uneven": True, "event_us": 59.3,
                          "loop_us": 47.0}}}},
     ]  # fmt: skip
-    lines = report.profile_section({"ab": rows})
+    lines = report.profile_section({"ab": rows}, report.NAMES | report.EXPLORE_NAMES)
     assert lines[2:] == [
         "| same_spread | 288 | 2 | stock | 57.3 | 45.0 | 40.0 | 38.0 | 2.0 | "
         "regular#0 20.0, swap_ab#0 1.5, regular#1 18.0 |",
