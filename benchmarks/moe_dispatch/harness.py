@@ -226,7 +226,7 @@ def trace_summary(kernels: list[tuple[str, float, float]], replays: int) -> dict
         "kernels": {
             key: {"start_us": med(s for s, _ in v), "us": med(d for _, d in v), "replays": len(v)}
             for key, v in by_key.items()
-        },  # fmt: skip
+        },
     }
 
 

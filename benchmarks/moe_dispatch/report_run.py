@@ -177,9 +177,9 @@ def candidate_of(res: dict) -> dict:
 
 
 def prev_plan(plan: str) -> str:
-    """The model's name for a run's `prev` column: the shipped hot-first plan for the one-launch
-    and graph-branch candidates (built beside them), else the per-expert plan shipped until
-    2026-12-03 (split)."""
+    """The model's name for a run's `prev` column: the shipped hot-first plan for the one-launch,
+    graph-branch and overlap-quantize candidates (built beside them), else the per-expert plan
+    shipped until 2026-12-03 (split)."""
     return "hot_first" if plan in ("one_launch", "branches", "overlap_quantize") else "split"
 
 

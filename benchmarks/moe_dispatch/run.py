@@ -703,9 +703,8 @@ def profile_rank(graphs: dict, samples: dict, torch) -> dict:
     out: dict = {"rank": rank, "replays": PROFILE_REPLAYS, "versions": {}}
     for v in names:
         g = graphs[v][rank]
-        out["versions"][v] = trace_summary(
-            trace_graph(torch, g, PROFILE_REPLAYS), PROFILE_REPLAYS
-        ) | {  # fmt: skip
+        trace = trace_summary(trace_graph(torch, g, PROFILE_REPLAYS), PROFILE_REPLAYS)
+        out["versions"][v] = trace | {
             "event_us": statistics.median(x[rank] for x in samples[v]) * 1e6,
             "loop_us": statistics.median(loop_time(torch, g, PROFILE_REPLAYS)) * 1e6,
         }
