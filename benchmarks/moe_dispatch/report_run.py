@@ -349,6 +349,8 @@ EXPLORE_NAMES = {
     "no_overlap": "no overlap (mode 11)",
     "branches": "graph branches, hot first (mode 12)",
     "branches_cold_first": "graph branches, cold first (mode 13)",
+    "hot_no_search": "hot launch alone, no first-tile search (mode 14; diagnostic)",
+    "every_class": "row-class kernel on every expert (mode 15)",
 }
 
 

@@ -167,7 +167,7 @@ CLASS_HOOKS = (*SHIPPED_HOOKS, (CLASS_PLAN_LINE, PREV_PLAN + CLASS_PLAN_LINE),
                (CLASS_SPLIT, CLASS_SPLIT_HOOK))  # fmt: skip
 # The shipped series has its split in the other order already: none of those rules to hook.
 HOT_FIRST_HOOKS = CLASS_HOOKS[:-1]
-# --explore on the shipped series (rule modes 10-13): what its split's second launch costs, and
+# --explore on the shipped series (rule modes 10-15): what its split's second launch costs, and
 # other ways to run the two classes. 10 = the hot launch alone (a diagnostic: its output misses
 # the cold experts' rows wherever there are some), 11 = both launches, the cold one without the
 # overlap (no programmatic dependent launch), 12 / 13 = the classes on two branches of a forked
@@ -180,6 +180,10 @@ HOT_FIRST_SPLIT = (
 HOT_FIRST_SPLIT_HOOK = (
     "    if (vllm_h20_rule_mode == 10) {\n"
     "      run_regular(plan.hot_m, {plan.boundary + 1, deep_gemm::kAnyRows});\n"
+    "    } else if (vllm_h20_rule_mode == 14) {\n"
+    "      run_regular(plan.hot_m, {plan.boundary + 1, deep_gemm::kAnyRows - 1});\n"
+    "    } else if (vllm_h20_rule_mode == 15) {\n"
+    "      run_regular(plan.hot_m, {1, deep_gemm::kAnyRows});\n"
     "    } else if (vllm_h20_rule_mode == 11) {\n"
     "      run_regular(plan.hot_m, {plan.boundary + 1, deep_gemm::kAnyRows});\n"
     "      run_swap_ab(plan.cold_m, {1, plan.boundary});\n"
@@ -205,6 +209,47 @@ HOT_FIRST_SPLIT_HOOK = (
     "    } else {\n" + HOT_FIRST_SPLIT.replace("    run", "      run") + "    }\n"
 )
 HOT_FIRST_EXPLORE_HOOKS = (*HOT_FIRST_HOOKS, (HOT_FIRST_SPLIT, HOT_FIRST_SPLIT_HOOK))
+# ... and what the row-class regular kernel's own extra time is (kernel-profile-h100: 0.6-2.3 us
+# per GEMM over FlashInfer's kernel with the same tiles). 14 = the hot class without the
+# first-tile search (a diagnostic like 10: its CTAs walk the groups from the first, as
+# FlashInfer's do, and the class is checked in the walk), 15 = the row-class kernel with its
+# search on every expert with rows (class 1-any: FlashInfer's tiles, the row-class machinery).
+# A class whose upper bound is kAnyRows - 1 is how mode 14 asks for no search (in the calib
+# headers only: SEARCH_HOOKS; its own cache name, _class<min>-4294967294).
+SEARCH_FLAG_LINE = "  static constexpr bool kRowClass = kMinRows > 0 || kMaxRows != kAnyRows;"
+HAS_ROW_CLASS = (
+    "__device__ __host__ constexpr bool has_row_class() {\n"
+    "  if constexpr (SchedulerType::gemm_type == GemmType::GroupedWithOffset) {\n"
+    "    return SchedulerType::kRowClass;\n"
+    "  } else {\n"
+    "    return false;\n"
+    "  }\n"
+    "}\n"
+)
+SEARCHES = (
+    "\n// vllm-h20 --explore (mode 14): a row class bounded by kAnyRows - 1 skips the search.\n"
+    "template <typename SchedulerType>\n"
+    "__device__ __host__ constexpr bool vllm_h20_searches() {\n"
+    "  if constexpr (has_row_class<SchedulerType>()) {\n"
+    "    return !SchedulerType::kNoSearch;\n"
+    "  } else {\n"
+    "    return false;\n"
+    "  }\n"
+    "}\n"
+)
+SEARCH_HOOKS = {
+    "tensorrt_llm/deep_gemm/scheduler.cuh": (
+        (SEARCH_FLAG_LINE, 2, SEARCH_FLAG_LINE
+         + "\n  static constexpr bool kNoSearch = kMaxRows == kAnyRows - 1;"),
+        (HAS_ROW_CLASS, 1, HAS_ROW_CLASS + SEARCHES),
+    ),
+    "tensorrt_llm/deep_gemm/fp8_gemm_impl.cuh": (
+        ("  if constexpr (has_row_class<SchedulerType>()) {\n    first_tile = ", 2,
+         "  if constexpr (vllm_h20_searches<SchedulerType>()) {\n    first_tile = "),
+        ("  if constexpr (has_row_class<SchedulerType>()) {\n    scheduler.start_at(", 2,
+         "  if constexpr (vllm_h20_searches<SchedulerType>()) {\n    scheduler.start_at("),
+    ),
+}  # fmt: skip
 # candidates/one-launch (0003: both classes in one dual-kernel launch): rule mode 9 turns the dual
 # launch off, which leaves the shipped series' hot-first dispatch (two launches): its `prev`.
 ONE_LAUNCH_GUARD = "    if (!one_launch_fits(hot, cold, num_device_sms)) return false;"
@@ -322,6 +367,14 @@ def prepare_sources(data: Path, work: Path, variant: str, series: str = "") -> P
             assert text.count(line) == 1, f"grouped_gemm_dispatch changed: update {line!r}"
             text = text.replace(line, hook)
         f.write_text(CALIB_DECLS + text)
+        if hooks is HOT_FIRST_EXPLORE_HOOKS:
+            for rel_path, edits in SEARCH_HOOKS.items():
+                f = nv / rel_path
+                text = f.read_text()
+                for line, count, hook in edits:
+                    assert text.count(line) == count, f"{rel_path} changed: update {line!r}"
+                    text = text.replace(line, hook)
+                f.write_text(text)
         f = nv / FP8_GEMM_CUH
         text = f.read_text()
         assert text.count(GRID_LINE) >= 2, f"DeepGEMM's launchers changed: update {GRID_LINE!r}"
@@ -396,7 +449,7 @@ CLASS_EXPLORE = (
     Version("one_swap", "calib", "fixed", (7, 0)),
     Version("hot_first_r64", "calib", "fixed", (8, 0)),
 )
-# --explore on the shipped series: the rule modes 10-13 (HOT_FIRST_SPLIT_HOOK) beside the series
+# --explore on the shipped series: the rule modes 10-15 (HOT_FIRST_SPLIT_HOOK) beside the series
 # (`fix`) and the calibration build's copy of it (`fix_calib`, mode 0: same launches, so what
 # the build alone changes). `hot_only` is a diagnostic (DIAGNOSTIC): its output is incomplete
 # wherever the cold class has rows, and that is not counted as a failed check.
@@ -407,8 +460,10 @@ HOT_FIRST_EXPLORE = (
     Version("no_overlap", "calib", "fixed", (11, 0)),
     Version("branches", "calib", "fixed", (12, 0)),
     Version("branches_cold_first", "calib", "fixed", (13, 0)),
+    Version("hot_no_search", "calib", "fixed", (14, 0)),
+    Version("every_class", "calib", "fixed", (15, 0)),
 )
-DIAGNOSTIC = frozenset({"hot_only"})
+DIAGNOSTIC = frozenset({"hot_only", "hot_no_search"})
 # The emulations' columns, all from the calib build (one module per process).
 EMU_VERSIONS = (
     Version("stock", "calib", "stock", AVG_ONLY),

@@ -81,6 +81,17 @@ def test_calibration_hooks_apply_to_the_patched_sources(tmp_path):
             assert ("/*overlap=*/vllm_h20_rule_mode != 9);" in text) is (
                 variant == "calib" and kind == "overlap_quantize"
             )
+            # --explore on the shipped series, modes 14/15: the hot class without the first-tile
+            # search (its calib headers skip it for a class bounded by kAnyRows - 1), and the
+            # row-class kernel on every expert
+            explores_search = variant == "calib" and kind == "hot_first"
+            assert ("{plan.boundary + 1, deep_gemm::kAnyRows - 1}" in text) is explores_search
+            dg = nv / "tensorrt_llm" / "deep_gemm"
+            impl, sched = (dg / "fp8_gemm_impl.cuh").read_text(), (dg / "scheduler.cuh").read_text()
+            assert impl.count("if constexpr (vllm_h20_searches<SchedulerType>())") == (
+                4 if explores_search else 0
+            )
+            assert ("kNoSearch = kMaxRows == kAnyRows - 1" in sched) is explores_search
             launchers = (nv / run.FP8_GEMM_CUH).read_text()
             assert ("vllm_h20_grid(num_sms)" in launchers) is (variant == "calib")
             assert run.deepgemm_dir(data, work, variant).endswith("tensorrt_llm")
