@@ -34,6 +34,20 @@ def added_text(patch: Path, file_name: str) -> str:
     return "\n".join(line for h in diff.hunks for line in h.new)
 
 
+def candidate_series(series: str, last: str) -> Path:
+    """Check that a candidate folder holds whole series (a maintainer applies a folder with
+    `git am`): on both FlashInfer lines the shipped patches byte for byte, then `last`, the same
+    on both lines. Returns the top-level `last`."""
+    root = overlay.patches_dir() / "flashinfer"
+    for line in ("", "v0.6.14"):
+        shipped = sorted((root / line).glob("*.patch"))
+        mine = sorted((root / series / line).glob("*.patch"))
+        assert [p.name for p in mine] == [p.name for p in shipped] + [last]
+        assert all(a.read_bytes() == b.read_bytes() for a, b in zip(mine, shipped, strict=False))
+    assert (root / series / last).read_bytes() == (root / series / "v0.6.14" / last).read_bytes()
+    return root / series / last
+
+
 def nvcc() -> str:
     found = shutil.which("nvcc")
     if found is None:
