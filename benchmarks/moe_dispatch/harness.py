@@ -187,6 +187,9 @@ def kernel_kind(name: str) -> str:
     return name.split("<")[0].split("(")[0].removeprefix("void ").strip()[:60]
 
 
+NAME_CHARS = 600  # a DeepGEMM kernel's name with all its template arguments fits
+
+
 def trace_summary(kernels: list[tuple[str, float, float]], replays: int) -> dict:
     """Medians over the replays of a graph's trace (trace_graph): the span from its first
     kernel's start to its last kernel's end, the time some kernel runs (busy) and the rest
@@ -210,13 +213,18 @@ def trace_summary(kernels: list[tuple[str, float, float]], replays: int) -> dict
         busy.append(covered)
     # A kernel is known by its kind and how many of that kind started before it in its replay
     # (two parallel branches may start in either order from one replay to the next).
+    # Its full name (template arguments: tiles, stages, multicast, row class) says which build of
+    # the kernel ran, so that two versions' kernels compare like with like.
     by_key: dict[str, list[tuple[float, float]]] = {}
+    names: dict[str, str] = {}
     for rep in per:
         t0, seen = rep[0][1], {}
         for name, s, d in rep:
             kind = kernel_kind(name)
             seen[kind] = seen.get(kind, -1) + 1
-            by_key.setdefault(f"{kind}#{seen[kind]}", []).append((s - t0, d))
+            key = f"{kind}#{seen[kind]}"
+            by_key.setdefault(key, []).append((s - t0, d))
+            names.setdefault(key, name)
     med = statistics.median
     return {
         "kernels_per_replay": k,
@@ -224,7 +232,8 @@ def trace_summary(kernels: list[tuple[str, float, float]], replays: int) -> dict
         "busy_us": med(busy),
         "idle_us": med(s - b for s, b in zip(spans, busy, strict=True)),
         "kernels": {
-            key: {"start_us": med(s for s, _ in v), "us": med(d for _, d in v), "replays": len(v)}
+            key: {"start_us": med(s for s, _ in v), "us": med(d for _, d in v), "replays": len(v),
+                  "name": names[key][:NAME_CHARS]}
             for key, v in by_key.items()
         },
     }

@@ -189,6 +189,7 @@ def test_trace_summary_splits_replays_and_counts_parallel_branches_once():
     assert s["kernels"]["regular#0"]["us"] == pytest.approx(21.0)
     assert s["kernels"]["swap_ab#0"]["start_us"] == pytest.approx(0.5)  # 1 after, 0 before
     assert all(k["replays"] == 2 for k in s["kernels"].values())
+    assert s["kernels"]["swap_ab#1"]["name"] == SWAP  # which build ran: its template arguments
 
 
 def test_trace_summary_refuses_a_trace_that_lost_kernels():
