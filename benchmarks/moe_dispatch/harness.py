@@ -232,8 +232,12 @@ def trace_summary(kernels: list[tuple[str, float, float]], replays: int) -> dict
         "busy_us": med(busy),
         "idle_us": med(s - b for s, b in zip(spans, busy, strict=True)),
         "kernels": {
-            key: {"start_us": med(s for s, _ in v), "us": med(d for _, d in v), "replays": len(v),
-                  "name": names[key][:NAME_CHARS]}
+            key: {
+                "start_us": med(s for s, _ in v),
+                "us": med(d for _, d in v),
+                "replays": len(v),
+                "name": names[key][:NAME_CHARS],
+            }
             for key, v in by_key.items()
         },
     }

@@ -351,6 +351,9 @@ EXPLORE_NAMES = {
     "branches_cold_first": "graph branches, cold first (mode 13)",
     "hot_no_search": "hot launch alone, no first-tile search (mode 14; diagnostic)",
     "every_class": "row-class kernel on every expert (mode 15)",
+    "hot_no_pdl": "hot launch alone, no PDL instructions (mode 16; diagnostic)",
+    "hot_no_check": "hot launch alone, no class check in the walk (mode 17; diagnostic)",
+    "hot_as_stock": "hot launch alone, FlashInfer's code (mode 18; diagnostic)",
 }
 
 

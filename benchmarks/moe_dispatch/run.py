@@ -184,6 +184,9 @@ HOT_FIRST_SPLIT_HOOK = (
     "      run_regular(plan.hot_m, {plan.boundary + 1, deep_gemm::kAnyRows - 1});\n"
     "    } else if (vllm_h20_rule_mode == 15) {\n"
     "      run_regular(plan.hot_m, {1, deep_gemm::kAnyRows});\n"
+    "    } else if (vllm_h20_rule_mode >= 16 && vllm_h20_rule_mode <= 18) {\n"
+    "      uint32_t const off = vllm_h20_rule_mode == 16 ? 2 : vllm_h20_rule_mode == 17 ? 4 : 7;\n"
+    "      run_regular(plan.hot_m, {plan.boundary + 1, deep_gemm::kAnyRows - off});\n"
     "    } else if (vllm_h20_rule_mode == 11) {\n"
     "      run_regular(plan.hot_m, {plan.boundary + 1, deep_gemm::kAnyRows});\n"
     "      run_swap_ab(plan.cold_m, {1, plan.boundary});\n"
@@ -210,12 +213,17 @@ HOT_FIRST_SPLIT_HOOK = (
 )
 HOT_FIRST_EXPLORE_HOOKS = (*HOT_FIRST_HOOKS, (HOT_FIRST_SPLIT, HOT_FIRST_SPLIT_HOOK))
 # ... and what the row-class regular kernel's own extra time is (kernel-profile-h100: 0.6-2.3 us
-# per GEMM over FlashInfer's kernel with the same tiles). 14 = the hot class without the
-# first-tile search (a diagnostic like 10: its CTAs walk the groups from the first, as
-# FlashInfer's do, and the class is checked in the walk), 15 = the row-class kernel with its
-# search on every expert with rows (class 1-any: FlashInfer's tiles, the row-class machinery).
-# A class whose upper bound is kAnyRows - 1 is how mode 14 asks for no search (in the calib
-# headers only: SEARCH_HOOKS; its own cache name, _class<min>-4294967294).
+# per GEMM over FlashInfer's kernel with the same tiles), one part of it at a time. 14 = the hot
+# class without the first-tile search (a diagnostic like 10: its CTAs walk the groups from the
+# first, as FlashInfer's do, and the class is checked in the walk), 15 = the row-class kernel
+# with its search on every expert with rows (class 1-any: FlashInfer's tiles, the row-class
+# machinery), 16 = the hot class without the programmatic-dependent-launch instructions (the
+# hot launch is never the dependent one, so they are no-ops there), 17 = without the class
+# check in the walk (a diagnostic: right only where the cold class is empty), 18 = without
+# search, PDL instructions and check (FlashInfer's code under a row-class name; a diagnostic).
+# The calib headers only (SEARCH_HOOKS) read a class bounded by kAnyRows - k, k = 1..7, as
+# those switches: bit 0 no search, bit 1 no PDL instructions, bit 2 no class check (each its
+# own cache name, _class<min>-<kAnyRows - k>); such a bound admits any real row count.
 SEARCH_FLAG_LINE = "  static constexpr bool kRowClass = kMinRows > 0 || kMaxRows != kAnyRows;"
 HAS_ROW_CLASS = (
     "__device__ __host__ constexpr bool has_row_class() {\n"
@@ -227,7 +235,8 @@ HAS_ROW_CLASS = (
     "}\n"
 )
 SEARCHES = (
-    "\n// vllm-h20 --explore (mode 14): a row class bounded by kAnyRows - 1 skips the search.\n"
+    "\n// vllm-h20 --explore (modes 14, 16-18): a row class bounded by kAnyRows - k turns parts\n"
+    "// of the row-class kernel off (run.py SEARCH_HOOKS).\n"
     "template <typename SchedulerType>\n"
     "__device__ __host__ constexpr bool vllm_h20_searches() {\n"
     "  if constexpr (has_row_class<SchedulerType>()) {\n"
@@ -236,18 +245,41 @@ SEARCHES = (
     "    return false;\n"
     "  }\n"
     "}\n"
+    "template <typename SchedulerType>\n"
+    "__device__ __host__ constexpr bool vllm_h20_pdl() {\n"
+    "  if constexpr (has_row_class<SchedulerType>()) {\n"
+    "    return !SchedulerType::kNoPdl;\n"
+    "  } else {\n"
+    "    return false;\n"
+    "  }\n"
+    "}\n"
 )
+DIAG_FLAGS = (
+    "\n  static constexpr uint32_t kDiag =\n"
+    "      kMaxRows != kAnyRows && kMaxRows >= kAnyRows - 7 ? kAnyRows - kMaxRows : 0;\n"
+    "  static constexpr bool kNoSearch = kDiag & 1, kNoPdl = kDiag & 2, kNoCheck = kDiag & 4;"
+)
+PDL_WAIT = 'asm volatile("griddepcontrol.wait;" ::: "memory");'
+PDL_TRIGGER = 'asm volatile("griddepcontrol.launch_dependents;");'
+PDL_IF = "if constexpr (vllm_h20_pdl<SchedulerType>()) "
 SEARCH_HOOKS = {
     "tensorrt_llm/deep_gemm/scheduler.cuh": (
-        (SEARCH_FLAG_LINE, 2, SEARCH_FLAG_LINE
-         + "\n  static constexpr bool kNoSearch = kMaxRows == kAnyRows - 1;"),
+        (SEARCH_FLAG_LINE, 2, SEARCH_FLAG_LINE + DIAG_FLAGS),
         (HAS_ROW_CLASS, 1, HAS_ROW_CLASS + SEARCHES),
+        ("rows_in_class<kMinRows, kMaxRows>(m) ? ceil_div(m,", 1,
+         "(kNoCheck || rows_in_class<kMinRows, kMaxRows>(m)) ? ceil_div(m,"),
+        ("rows_in_class<kMinRows, kMaxRows>(n) ? ceil_div(n,", 1,
+         "(kNoCheck || rows_in_class<kMinRows, kMaxRows>(n)) ? ceil_div(n,"),
     ),
     "tensorrt_llm/deep_gemm/fp8_gemm_impl.cuh": (
         ("  if constexpr (has_row_class<SchedulerType>()) {\n    first_tile = ", 2,
          "  if constexpr (vllm_h20_searches<SchedulerType>()) {\n    first_tile = "),
         ("  if constexpr (has_row_class<SchedulerType>()) {\n    scheduler.start_at(", 2,
          "  if constexpr (vllm_h20_searches<SchedulerType>()) {\n    scheduler.start_at("),
+        (f"    {PDL_TRIGGER}\n    if (!first_tile.found) {{\n      {PDL_WAIT}", 2,
+         f"    {PDL_IF}{PDL_TRIGGER}\n    if (!first_tile.found) {{\n      {PDL_IF}{PDL_WAIT}"),
+        (f"      if constexpr (has_row_class<SchedulerType>()) {{\n        {PDL_WAIT}", 2,
+         f"      if constexpr (vllm_h20_pdl<SchedulerType>()) {{\n        {PDL_WAIT}"),
     ),
 }  # fmt: skip
 # candidates/one-launch (0003: both classes in one dual-kernel launch): rule mode 9 turns the dual
@@ -462,8 +494,11 @@ HOT_FIRST_EXPLORE = (
     Version("branches_cold_first", "calib", "fixed", (13, 0)),
     Version("hot_no_search", "calib", "fixed", (14, 0)),
     Version("every_class", "calib", "fixed", (15, 0)),
+    Version("hot_no_pdl", "calib", "fixed", (16, 0)),
+    Version("hot_no_check", "calib", "fixed", (17, 0)),
+    Version("hot_as_stock", "calib", "fixed", (18, 0)),
 )
-DIAGNOSTIC = frozenset({"hot_only", "hot_no_search"})
+DIAGNOSTIC = frozenset({"hot_only", "hot_no_search", "hot_no_pdl", "hot_no_check", "hot_as_stock"})
 # The emulations' columns, all from the calib build (one module per process).
 EMU_VERSIONS = (
     Version("stock", "calib", "stock", AVG_ONLY),
