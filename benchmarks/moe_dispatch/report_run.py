@@ -354,6 +354,8 @@ EXPLORE_NAMES = {
     "hot_no_pdl": "hot launch alone, no PDL instructions (mode 16; diagnostic)",
     "hot_no_check": "hot launch alone, no class check in the walk (mode 17; diagnostic)",
     "hot_as_stock": "hot launch alone, FlashInfer's code (mode 18; diagnostic)",
+    "branches_no_pdl": "graph branches, hot kernel without PDL instructions (mode 19)",
+    "branches_no_search": "graph branches, hot kernel without PDL instructions or search (mode 20)",
 }
 
 

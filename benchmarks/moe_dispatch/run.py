@@ -190,17 +190,19 @@ HOT_FIRST_SPLIT_HOOK = (
     "    } else if (vllm_h20_rule_mode == 11) {\n"
     "      run_regular(plan.hot_m, {plan.boundary + 1, deep_gemm::kAnyRows});\n"
     "      run_swap_ab(plan.cold_m, {1, plan.boundary});\n"
-    "    } else if (vllm_h20_rule_mode == 12 || vllm_h20_rule_mode == 13) {\n"
+    "    } else if (vllm_h20_rule_mode == 12 || vllm_h20_rule_mode == 13 ||\n"
+    "               vllm_h20_rule_mode == 19 || vllm_h20_rule_mode == 20) {\n"
     "      cudaStream_t const main_stream = stream, side = vllm_h20_fork(stream);\n"
+    "      uint32_t const lean = vllm_h20_rule_mode == 19 ? 2 : vllm_h20_rule_mode == 20 ? 3 : 0;\n"
     "      auto hot = [&] {\n"
     "        stream = main_stream;\n"
-    "        run_regular(plan.hot_m, {plan.boundary + 1, deep_gemm::kAnyRows});\n"
+    "        run_regular(plan.hot_m, {plan.boundary + 1, deep_gemm::kAnyRows - lean});\n"
     "      };\n"
     "      auto cold = [&] {\n"
     "        stream = side;\n"
     "        run_swap_ab(plan.cold_m, {1, plan.boundary});\n"
     "      };\n"
-    "      if (vllm_h20_rule_mode == 12) {\n"
+    "      if (vllm_h20_rule_mode != 13) {\n"
     "        hot();\n"
     "        cold();\n"
     "      } else {\n"
@@ -221,6 +223,9 @@ HOT_FIRST_EXPLORE_HOOKS = (*HOT_FIRST_HOOKS, (HOT_FIRST_SPLIT, HOT_FIRST_SPLIT_H
 # hot launch is never the dependent one, so they are no-ops there), 17 = without the class
 # check in the walk (a diagnostic: right only where the cold class is empty), 18 = without
 # search, PDL instructions and check (FlashInfer's code under a row-class name; a diagnostic).
+# 19 / 20 = mode 12 (graph branches, hot first) with a leaner hot kernel, whole versions: 19
+# without its PDL instructions (no-ops in a launch that is nobody's dependent), 20 without them
+# and without the search (the cold launch, on the other branch, keeps both).
 # The calib headers only (SEARCH_HOOKS) read a class bounded by kAnyRows - k, k = 1..7, as
 # those switches: bit 0 no search, bit 1 no PDL instructions, bit 2 no class check (each its
 # own cache name, _class<min>-<kAnyRows - k>); such a bound admits any real row count.
@@ -497,6 +502,8 @@ HOT_FIRST_EXPLORE = (
     Version("hot_no_pdl", "calib", "fixed", (16, 0)),
     Version("hot_no_check", "calib", "fixed", (17, 0)),
     Version("hot_as_stock", "calib", "fixed", (18, 0)),
+    Version("branches_no_pdl", "calib", "fixed", (19, 0)),
+    Version("branches_no_search", "calib", "fixed", (20, 0)),
 )
 DIAGNOSTIC = frozenset({"hot_only", "hot_no_search", "hot_no_pdl", "hot_no_check", "hot_as_stock"})
 # The emulations' columns, all from the calib build (one module per process).
