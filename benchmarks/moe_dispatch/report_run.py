@@ -137,13 +137,17 @@ H20_OVER_H200_BW = H20_TBPS / HBM_TBPS["h200"]
 
 
 def tag_of(folder: Path) -> str:
-    """The GPU a run folder's files are named for (kernel_<tag>.json): h200 or h100."""
+    """The GPU a run folder's files are named for (kernel_<tag>.json, or in a folder of explore
+    runs only, explore_<name>_<tag>.json): h200 or h100."""
     found = sorted(folder.glob("kernel_*.json"))
     tags = [f.stem.removeprefix("kernel_") for f in found]
+    if not found:
+        found = sorted(folder.glob("explore_*_*.json"))
+        tags = sorted({f.stem.rpartition("_")[2] for f in found})
     if len(tags) != 1 or tags[0] not in HBM_TBPS:
         names = ", ".join(f.name for f in found) or "none"
-        raise SystemExit(f"{folder}: expected one kernel_<gpu>.json (gpu: "
-                         f"{', '.join(HBM_TBPS)}), found {names}")  # fmt: skip
+        raise SystemExit(f"{folder}: expected one kernel_<gpu>.json or explore runs of one gpu "
+                         f"(gpu: {', '.join(HBM_TBPS)}), found {names}")  # fmt: skip
     return tags[0]
 
 
@@ -356,6 +360,8 @@ EXPLORE_NAMES = {
     "hot_as_stock": "hot launch alone, FlashInfer's code (mode 18; diagnostic)",
     "branches_no_pdl": "graph branches, hot kernel without PDL instructions (mode 19)",
     "branches_no_search": "graph branches, hot kernel without PDL instructions or search (mode 20)",
+    "hot_exit_search": "hot launch alone, search only to leave (mode 21; diagnostic)",
+    "branches_exit_search": "graph branches, hot kernel searching only to leave (mode 22)",
 }
 
 
@@ -399,6 +405,15 @@ def kernel_key(key: str) -> str:
     activation quantization (scale_1x128_kernel) called what it does."""
     kind, _, order = key.rpartition("#")
     return ("quantize" if "scale_1x128" in kind else kind) + "#" + order
+
+
+PROFILE_HOW = (
+    "At the rank the series is slowest on, in us: event = the A/B's CUDA-event median (each "
+    "replay timed alone); loop = 20 replays back to back (the next replay's launch hidden); span "
+    "= busy + idle, from torch's profiler over 20 replays: time some kernel runs, and the gaps "
+    "between kernels inside the graph; each kernel by kind and order (regular#0: the first "
+    "regular-kernel launch, FC1's; #1: FC2's)."
+)
 
 
 def profile_section(res: dict, label: dict[str, str]) -> list[str]:
@@ -817,7 +832,25 @@ def _header(res: dict, versions: list[str], tag: str) -> list[str]:
     ]
 
 
+def explore_only(folder: Path, tag: str) -> str:
+    """A folder of explore runs alone (no kernel-level A/B): each run's table and profile."""
+    out = []
+    for f in sorted(folder.glob(f"explore_*_{tag}.json")):
+        res = json.loads(f.read_text())
+        dev = res["device"]
+        out += [f"## Explored: `{f.name}`", "",
+                f"{dev['name']} ({dev['sms']} SMs; torch {dev['torch']}, CUDA {dev['cuda']}), "
+                f"{dev['flashinfer_sources']}, series `{res['series']}`.", "",
+                *explore_section(f), ""]  # fmt: skip
+        if any((r.get("profile") or {}).get("versions") for r in res["ab"]):
+            out += [f"### Where the time goes: `{f.name}` (--profile)", "", PROFILE_HOW, "",
+                    *profile_section(res, explore_labels(res)), ""]  # fmt: skip
+    return "\n".join(out)
+
+
 def render(folder: Path, tag: str) -> str:
+    if not (folder / f"kernel_{tag}.json").exists():
+        return explore_only(folder, tag)
     res = json.loads((folder / f"kernel_{tag}.json").read_text())
     label = labels(res)
     versions = [v for v in ("avg", "prev", "fix", "split") if v in res["ab"][0]["speedups"]]
@@ -878,13 +911,7 @@ def render(folder: Path, tag: str) -> str:
         traced = json.loads(f.read_text())
         names = label if f.name.startswith("kernel_") else explore_labels(traced)
         if any((r.get("profile") or {}).get("versions") for r in traced["ab"]):
-            out += [f"## Where the time goes: `{f.name}` (--profile)", "",
-                    "At the rank the series is slowest on, in us: event = the A/B's CUDA-event "
-                    "median (each replay timed alone); loop = 20 replays back to back (the next "
-                    "replay's launch hidden); span = busy + idle, from torch's profiler over 20 "
-                    "replays: time some kernel runs, and the gaps between kernels inside the "
-                    "graph; each kernel by kind and order (regular#0: the first regular-kernel "
-                    "launch, FC1's; #1: FC2's).", "",
+            out += [f"## Where the time goes: `{f.name}` (--profile)", "", PROFILE_HOW, "",
                     *profile_section(traced, names), ""]  # fmt: skip
     fused = fused_section(folder, candidate_of(res), tag)
     if fused:
@@ -904,7 +931,7 @@ def main() -> None:
     head = args.folder / "NOTES.md"
     notes = head.read_text() if head.exists() else ""
     (args.folder / "README.md").write_text(notes + text)
-    if not args.no_plot:
+    if not args.no_plot and (args.folder / f"kernel_{tag}.json").exists():
         plot(
             json.loads((args.folder / f"kernel_{tag}.json").read_text()),
             args.folder / f"kernel_{tag}.png",

@@ -184,16 +184,24 @@ HOT_FIRST_SPLIT_HOOK = (
     "      run_regular(plan.hot_m, {plan.boundary + 1, deep_gemm::kAnyRows - 1});\n"
     "    } else if (vllm_h20_rule_mode == 15) {\n"
     "      run_regular(plan.hot_m, {1, deep_gemm::kAnyRows});\n"
-    "    } else if (vllm_h20_rule_mode >= 16 && vllm_h20_rule_mode <= 18) {\n"
-    "      uint32_t const off = vllm_h20_rule_mode == 16 ? 2 : vllm_h20_rule_mode == 17 ? 4 : 7;\n"
+    "    } else if ((vllm_h20_rule_mode >= 16 && vllm_h20_rule_mode <= 18) ||\n"
+    "               vllm_h20_rule_mode == 21) {\n"
+    "      uint32_t const off = vllm_h20_rule_mode == 16   ? 2\n"
+    "                           : vllm_h20_rule_mode == 17 ? 4\n"
+    "                           : vllm_h20_rule_mode == 18 ? 7\n"
+    "                                                      : 8;\n"
     "      run_regular(plan.hot_m, {plan.boundary + 1, deep_gemm::kAnyRows - off});\n"
     "    } else if (vllm_h20_rule_mode == 11) {\n"
     "      run_regular(plan.hot_m, {plan.boundary + 1, deep_gemm::kAnyRows});\n"
     "      run_swap_ab(plan.cold_m, {1, plan.boundary});\n"
     "    } else if (vllm_h20_rule_mode == 12 || vllm_h20_rule_mode == 13 ||\n"
-    "               vllm_h20_rule_mode == 19 || vllm_h20_rule_mode == 20) {\n"
+    "               vllm_h20_rule_mode == 19 || vllm_h20_rule_mode == 20 ||\n"
+    "               vllm_h20_rule_mode == 22) {\n"
     "      cudaStream_t const main_stream = stream, side = vllm_h20_fork(stream);\n"
-    "      uint32_t const lean = vllm_h20_rule_mode == 19 ? 2 : vllm_h20_rule_mode == 20 ? 3 : 0;\n"
+    "      uint32_t const lean = vllm_h20_rule_mode == 19   ? 2\n"
+    "                            : vllm_h20_rule_mode == 20 ? 3\n"
+    "                            : vllm_h20_rule_mode == 22 ? 10\n"
+    "                                                       : 0;\n"
     "      auto hot = [&] {\n"
     "        stream = main_stream;\n"
     "        run_regular(plan.hot_m, {plan.boundary + 1, deep_gemm::kAnyRows - lean});\n"
@@ -225,10 +233,15 @@ HOT_FIRST_EXPLORE_HOOKS = (*HOT_FIRST_HOOKS, (HOT_FIRST_SPLIT, HOT_FIRST_SPLIT_H
 # search, PDL instructions and check (FlashInfer's code under a row-class name; a diagnostic).
 # 19 / 20 = mode 12 (graph branches, hot first) with a leaner hot kernel, whole versions: 19
 # without its PDL instructions (no-ops in a launch that is nobody's dependent), 20 without them
-# and without the search (the cold launch, on the other branch, keeps both).
-# The calib headers only (SEARCH_HOOKS) read a class bounded by kAnyRows - k, k = 1..7, as
-# those switches: bit 0 no search, bit 1 no PDL instructions, bit 2 no class check (each its
-# own cache name, _class<min>-<kAnyRows - k>); such a bound admits any real row count.
+# and without the search (the cold launch, on the other branch, keeps both). 21 = the hot class
+# searching only to let the CTAs without a tile leave (bit 3): those with one walk from the
+# first group as FlashInfer's do (which starts the CTAs of the first groups, the ones with a
+# second tile when the tiles just exceed the grid, before the others); 22 = mode 12 with that
+# hot kernel and no PDL instructions.
+# The calib headers only (SEARCH_HOOKS) read a class bounded by kAnyRows - k, k = 1..15, as
+# those switches: bit 0 no search, bit 1 no PDL instructions, bit 2 no class check, bit 3 the
+# search only for leaving (each its own cache name, _class<min>-<kAnyRows - k>); such a bound
+# admits any real row count.
 SEARCH_FLAG_LINE = "  static constexpr bool kRowClass = kMinRows > 0 || kMaxRows != kAnyRows;"
 HAS_ROW_CLASS = (
     "__device__ __host__ constexpr bool has_row_class() {\n"
@@ -251,6 +264,14 @@ SEARCHES = (
     "  }\n"
     "}\n"
     "template <typename SchedulerType>\n"
+    "__device__ __host__ constexpr bool vllm_h20_starts_at() {\n"
+    "  if constexpr (has_row_class<SchedulerType>()) {\n"
+    "    return !SchedulerType::kNoSearch && !SchedulerType::kExitOnly;\n"
+    "  } else {\n"
+    "    return false;\n"
+    "  }\n"
+    "}\n"
+    "template <typename SchedulerType>\n"
     "__device__ __host__ constexpr bool vllm_h20_pdl() {\n"
     "  if constexpr (has_row_class<SchedulerType>()) {\n"
     "    return !SchedulerType::kNoPdl;\n"
@@ -261,8 +282,9 @@ SEARCHES = (
 )
 DIAG_FLAGS = (
     "\n  static constexpr uint32_t kDiag =\n"
-    "      kMaxRows != kAnyRows && kMaxRows >= kAnyRows - 7 ? kAnyRows - kMaxRows : 0;\n"
-    "  static constexpr bool kNoSearch = kDiag & 1, kNoPdl = kDiag & 2, kNoCheck = kDiag & 4;"
+    "      kMaxRows != kAnyRows && kMaxRows >= kAnyRows - 15 ? kAnyRows - kMaxRows : 0;\n"
+    "  static constexpr bool kNoSearch = kDiag & 1, kNoPdl = kDiag & 2, kNoCheck = kDiag & 4,\n"
+    "                        kExitOnly = kDiag & 8;"
 )
 PDL_WAIT = 'asm volatile("griddepcontrol.wait;" ::: "memory");'
 PDL_TRIGGER = 'asm volatile("griddepcontrol.launch_dependents;");'
@@ -280,7 +302,7 @@ SEARCH_HOOKS = {
         ("  if constexpr (has_row_class<SchedulerType>()) {\n    first_tile = ", 2,
          "  if constexpr (vllm_h20_searches<SchedulerType>()) {\n    first_tile = "),
         ("  if constexpr (has_row_class<SchedulerType>()) {\n    scheduler.start_at(", 2,
-         "  if constexpr (vllm_h20_searches<SchedulerType>()) {\n    scheduler.start_at("),
+         "  if constexpr (vllm_h20_starts_at<SchedulerType>()) {\n    scheduler.start_at("),
         (f"    {PDL_TRIGGER}\n    if (!first_tile.found) {{\n      {PDL_WAIT}", 2,
          f"    {PDL_IF}{PDL_TRIGGER}\n    if (!first_tile.found) {{\n      {PDL_IF}{PDL_WAIT}"),
         (f"      if constexpr (has_row_class<SchedulerType>()) {{\n        {PDL_WAIT}", 2,
@@ -504,8 +526,12 @@ HOT_FIRST_EXPLORE = (
     Version("hot_as_stock", "calib", "fixed", (18, 0)),
     Version("branches_no_pdl", "calib", "fixed", (19, 0)),
     Version("branches_no_search", "calib", "fixed", (20, 0)),
+    Version("hot_exit_search", "calib", "fixed", (21, 0)),
+    Version("branches_exit_search", "calib", "fixed", (22, 0)),
 )
-DIAGNOSTIC = frozenset({"hot_only", "hot_no_search", "hot_no_pdl", "hot_no_check", "hot_as_stock"})
+DIAGNOSTIC = frozenset(
+    {"hot_only", "hot_no_search", "hot_no_pdl", "hot_no_check", "hot_as_stock", "hot_exit_search"}
+)
 # The emulations' columns, all from the calib build (one module per process).
 EMU_VERSIONS = (
     Version("stock", "calib", "stock", AVG_ONLY),

@@ -89,7 +89,10 @@ def test_calibration_hooks_apply_to_the_patched_sources(tmp_path):
             dg = nv / "tensorrt_llm" / "deep_gemm"
             impl, sched = (dg / "fp8_gemm_impl.cuh").read_text(), (dg / "scheduler.cuh").read_text()
             assert impl.count("if constexpr (vllm_h20_searches<SchedulerType>())") == (
-                4 if explores_search else 0
+                2 if explores_search else 0
+            )
+            assert impl.count("if constexpr (vllm_h20_starts_at<SchedulerType>())") == (
+                2 if explores_search else 0
             )
             # ... and modes 16-18 (kAnyRows - k: bit 0 no search, 1 no PDL instructions, 2 no
             # class check): every PDL instruction of both kernels and both walks' checks switch
@@ -100,6 +103,7 @@ def test_calibration_hooks_apply_to_the_patched_sources(tmp_path):
                 assert impl.count("griddepcontrol") == 6
             assert sched.count("(kNoCheck || rows_in_class<") == (2 if explores_search else 0)
             assert ("kNoSearch = kDiag & 1, kNoPdl = kDiag & 2" in sched) is explores_search
+            assert ("kExitOnly = kDiag & 8;" in sched) is explores_search
             assert ("deep_gemm::kAnyRows - off}" in text) is explores_search
             launchers = (nv / run.FP8_GEMM_CUH).read_text()
             assert ("vllm_h20_grid(num_sms)" in launchers) is (variant == "calib")
