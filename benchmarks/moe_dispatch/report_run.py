@@ -362,6 +362,8 @@ EXPLORE_NAMES = {
     "branches_no_search": "graph branches, hot kernel without PDL instructions or search (mode 20)",
     "hot_exit_search": "hot launch alone, search only to leave (mode 21; diagnostic)",
     "branches_exit_search": "graph branches, hot kernel searching only to leave (mode 22)",
+    "fix_stop": "shipped split, hot kernel stops at its last tile (mode 23)",
+    "branches_stop": "graph branches, hot kernel stops at its last tile (mode 24)",
 }
 
 

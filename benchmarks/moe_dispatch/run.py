@@ -191,16 +191,20 @@ HOT_FIRST_SPLIT_HOOK = (
     "                           : vllm_h20_rule_mode == 18 ? 7\n"
     "                                                      : 8;\n"
     "      run_regular(plan.hot_m, {plan.boundary + 1, deep_gemm::kAnyRows - off});\n"
+    "    } else if (vllm_h20_rule_mode == 23) {\n"
+    "      run_regular(plan.hot_m, {plan.boundary + 1, deep_gemm::kAnyRows - 16});\n"
+    "      run_swap_ab(plan.cold_m, {1, plan.boundary}, /*overlap=*/true);\n"
     "    } else if (vllm_h20_rule_mode == 11) {\n"
     "      run_regular(plan.hot_m, {plan.boundary + 1, deep_gemm::kAnyRows});\n"
     "      run_swap_ab(plan.cold_m, {1, plan.boundary});\n"
     "    } else if (vllm_h20_rule_mode == 12 || vllm_h20_rule_mode == 13 ||\n"
     "               vllm_h20_rule_mode == 19 || vllm_h20_rule_mode == 20 ||\n"
-    "               vllm_h20_rule_mode == 22) {\n"
+    "               vllm_h20_rule_mode == 22 || vllm_h20_rule_mode == 24) {\n"
     "      cudaStream_t const main_stream = stream, side = vllm_h20_fork(stream);\n"
     "      uint32_t const lean = vllm_h20_rule_mode == 19   ? 2\n"
     "                            : vllm_h20_rule_mode == 20 ? 3\n"
     "                            : vllm_h20_rule_mode == 22 ? 10\n"
+    "                            : vllm_h20_rule_mode == 24 ? 18\n"
     "                                                       : 0;\n"
     "      auto hot = [&] {\n"
     "        stream = main_stream;\n"
@@ -237,11 +241,14 @@ HOT_FIRST_EXPLORE_HOOKS = (*HOT_FIRST_HOOKS, (HOT_FIRST_SPLIT, HOT_FIRST_SPLIT_H
 # searching only to let the CTAs without a tile leave (bit 3): those with one walk from the
 # first group as FlashInfer's do (which starts the CTAs of the first groups, the ones with a
 # second tile when the tiles just exceed the grid, before the others); 22 = mode 12 with that
-# hot kernel and no PDL instructions.
-# The calib headers only (SEARCH_HOOKS) read a class bounded by kAnyRows - k, k = 1..15, as
+# hot kernel and no PDL instructions. 23 = the shipped split whose hot kernel stops at its
+# class's last tile (bit 4: the search's total, so that a CTA past its last tile leaves without
+# walking the groups after it, as FlashInfer's kernel walks them); 24 = mode 12 with that hot
+# kernel and no PDL instructions. Both are whole versions.
+# The calib headers only (SEARCH_HOOKS) read a class bounded by kAnyRows - k, k = 1..31, as
 # those switches: bit 0 no search, bit 1 no PDL instructions, bit 2 no class check, bit 3 the
-# search only for leaving (each its own cache name, _class<min>-<kAnyRows - k>); such a bound
-# admits any real row count.
+# search only for leaving, bit 4 stop at the class's last tile (each its own cache name,
+# _class<min>-<kAnyRows - k>); such a bound admits any real row count.
 SEARCH_FLAG_LINE = "  static constexpr bool kRowClass = kMinRows > 0 || kMaxRows != kAnyRows;"
 HAS_ROW_CLASS = (
     "__device__ __host__ constexpr bool has_row_class() {\n"
@@ -282,9 +289,9 @@ SEARCHES = (
 )
 DIAG_FLAGS = (
     "\n  static constexpr uint32_t kDiag =\n"
-    "      kMaxRows != kAnyRows && kMaxRows >= kAnyRows - 15 ? kAnyRows - kMaxRows : 0;\n"
+    "      kMaxRows != kAnyRows && kMaxRows >= kAnyRows - 31 ? kAnyRows - kMaxRows : 0;\n"
     "  static constexpr bool kNoSearch = kDiag & 1, kNoPdl = kDiag & 2, kNoCheck = kDiag & 4,\n"
-    "                        kExitOnly = kDiag & 8;"
+    "                        kExitOnly = kDiag & 8, kStopAtTotal = kDiag & 16;"
 )
 PDL_WAIT = 'asm volatile("griddepcontrol.wait;" ::: "memory");'
 PDL_TRIGGER = 'asm volatile("griddepcontrol.launch_dependents;");'
@@ -293,6 +300,24 @@ SEARCH_HOOKS = {
     "tensorrt_llm/deep_gemm/scheduler.cuh": (
         (SEARCH_FLAG_LINE, 2, SEARCH_FLAG_LINE + DIAG_FLAGS),
         (HAS_ROW_CLASS, 1, HAS_ROW_CLASS + SEARCHES),
+        ("  uint32_t cumsum = 0;\n};", 1,
+         "  uint32_t cumsum = 0;\n"
+         "  uint32_t total = 0;  // the class's tiles (--explore, bit 4)\n};"),
+        ("    base += __shfl_sync(0xffffffffu, incl, 31);\n  }\n  return first;", 1,
+         "    base += __shfl_sync(0xffffffffu, incl, 31);\n  }\n"
+         "  first.total = base * kOtherBlocks;\n  return first;"),
+        ("    curr_cumsum = first.cumsum;\n  }\n", 2,
+         "    curr_cumsum = first.cumsum;\n"
+         "    if constexpr (kStopAtTotal) vllm_h20_end = first.total;\n"
+         "  }\n  uint32_t vllm_h20_end = 0xffffffffu;  // no tile from here on (bit 4)\n"),
+        ("      if (curr_group_idx == kNumGroups) return false;\n      m_offset = __ldg(", 1,
+         "      if (curr_group_idx == kNumGroups) return false;\n"
+         "      if (kStopAtTotal && next_block_idx >= vllm_h20_end) return false;\n"
+         "      m_offset = __ldg("),
+        ("      if (curr_group_idx == kNumGroups) return false;\n      n_offset = __ldg(", 1,
+         "      if (curr_group_idx == kNumGroups) return false;\n"
+         "      if (kStopAtTotal && next_block_idx >= vllm_h20_end) return false;\n"
+         "      n_offset = __ldg("),
         ("rows_in_class<kMinRows, kMaxRows>(m) ? ceil_div(m,", 1,
          "(kNoCheck || rows_in_class<kMinRows, kMaxRows>(m)) ? ceil_div(m,"),
         ("rows_in_class<kMinRows, kMaxRows>(n) ? ceil_div(n,", 1,
@@ -528,6 +553,8 @@ HOT_FIRST_EXPLORE = (
     Version("branches_no_search", "calib", "fixed", (20, 0)),
     Version("hot_exit_search", "calib", "fixed", (21, 0)),
     Version("branches_exit_search", "calib", "fixed", (22, 0)),
+    Version("fix_stop", "calib", "fixed", (23, 0)),
+    Version("branches_stop", "calib", "fixed", (24, 0)),
 )
 DIAGNOSTIC = frozenset(
     {"hot_only", "hot_no_search", "hot_no_pdl", "hot_no_check", "hot_as_stock", "hot_exit_search"}

@@ -103,7 +103,11 @@ def test_calibration_hooks_apply_to_the_patched_sources(tmp_path):
                 assert impl.count("griddepcontrol") == 6
             assert sched.count("(kNoCheck || rows_in_class<") == (2 if explores_search else 0)
             assert ("kNoSearch = kDiag & 1, kNoPdl = kDiag & 2" in sched) is explores_search
-            assert ("kExitOnly = kDiag & 8;" in sched) is explores_search
+            assert ("kExitOnly = kDiag & 8, kStopAtTotal = kDiag & 16;" in sched) is explores_search
+            assert sched.count("if (kStopAtTotal && next_block_idx >= vllm_h20_end)") == (
+                2 if explores_search else 0
+            )
+            assert ("first.total = base * kOtherBlocks;" in sched) is explores_search
             assert ("deep_gemm::kAnyRows - off}" in text) is explores_search
             launchers = (nv / run.FP8_GEMM_CUH).read_text()
             assert ("vllm_h20_grid(num_sms)" in launchers) is (variant == "calib")
@@ -504,6 +508,26 @@ def test_kernel_profile_run_readme_is_rendered_from_its_files(tmp_path):
         0,
     ]
     assert all(r["ok"] and r["profile"]["versions"] for r in kernel["ab"])
+
+
+def test_kernel_split_run_readme_is_rendered_from_its_explore_runs_alone(tmp_path):
+    """benchmarks/results/moe_dispatch/kernel-split-h100/README.md: a folder of --explore
+    --profile runs with no kernel-level A/B; each run's table and profile, the device from its
+    JSON, every kernel recorded with its full name (which build ran)."""
+    src = RESULTS / "moe_dispatch" / "kernel-split-h100"
+    text = _rerendered(src, tmp_path)
+    runs = sorted(src.glob("explore_*_h100.json"))
+    assert runs and not list(src.glob("kernel_*.json"))
+    for f in runs:
+        assert f"## Explored: `{f.name}`" in text
+        assert f"### Where the time goes: `{f.name}` (--profile)" in text
+    assert "NVIDIA H100 80GB HBM3 (132 SMs; torch 2.11.0+cu130, CUDA 13.0)" in text
+    assert "hot launch alone, no first-tile search (mode 14; diagnostic)" in text
+    last = json.loads(runs[-1].read_text())
+    names = [k.get("name", "") for r in last["ab"] for v in r["profile"]["versions"].values()
+             for k in v["kernels"].values()]  # fmt: skip
+    if len(runs) > 1:  # the later runs record which build of each kernel ran
+        assert names and all("deep_gemm::" in n or "scale_1x128" in n for n in names)
 
 
 def test_the_model_charges_the_graph_branch_as_its_own_second_launch():
