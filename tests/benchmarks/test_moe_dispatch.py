@@ -127,6 +127,45 @@ def test_run_refuses_unknown_routings_and_emulations_in_one_line(tmp_path, args,
     assert len(r.stderr.strip().splitlines()) == 1 and "Traceback" not in r.stderr
 
 
+def test_explore_hot_kernels_compile_from_the_calibration_headers(tmp_path):
+    """--explore's hot kernels switched by a class bound of kAnyRows - k (run.py SEARCH_HOOKS)
+    are compiled on the GPU machine, at run time, from the calibration build's headers: a hook
+    that leaves those headers uncompilable must fail here, not after a lease's build. Bits 0 (no
+    search), 1 (no PDL instructions), 2 (no class check), 3 (search only to leave) and 4 (stop at
+    the last tile), as modes 14 and 19-24 use them, each compiled with DeepGEMM's flags."""
+    import importlib.util
+    from concurrent.futures import ThreadPoolExecutor
+
+    from tests.moe import deepgemm_kernels as dk
+    from tests.moe.test_deepgemm_row_class import GEN
+    from vllm_h20.moe import flashinfer_src, overlay
+
+    if importlib.util.find_spec("flashinfer") is None:
+        pytest.skip("FlashInfer is not installed (CI installs it with vLLM 0.33.0)")
+    dk.nvcc()
+    installed_fi = flashinfer_src.installed()
+    run = _run_py()
+    data = tmp_path / "data"
+    shutil.copytree(installed_fi.root / "csrc" / "nv_internal", data / "csrc" / "nv_internal",
+                    symlinks=True)  # fmt: skip
+    nv = run.prepare_sources(data, tmp_path / "work", "calib", "")
+    csrc = dk.overlay_csrc(installed_fi, overlay.shipped_patches(installed_fi.version),
+                           tmp_path / "overlay")  # fmt: skip
+    any_rows = 0xFFFFFFFF
+    ks = (1, 10, 20)  # every bit at least once; 10 = mode 22's hot kernel
+    sources = {f"k{k}": ["regular", "17", str(any_rows - k)] for k in ks}
+    generated = dk.generate(GEN, sources, csrc, installed_fi, tmp_path)
+    assert [generated[f"k{k}_tag"] for k in ks] == [f"_class17-{any_rows - k}" for k in ks]
+
+    def compile_one(k: int):
+        return dk.compile_kernel(generated[f"k{k}"], nv / "tensorrt_llm", tmp_path, f"k{k}")
+
+    with ThreadPoolExecutor(2) as pool:
+        for k, r in zip(ks, pool.map(compile_one, ks), strict=True):
+            assert r.returncode == 0, f"k={k}: " + r.stderr[-3000:]
+            assert (tmp_path / f"k{k}.cubin").stat().st_size > 10_000
+
+
 def test_run_without_the_flashinfer_sources_says_how_to_make_them(tmp_path):
     cmd = [sys.executable, str(HERE / "run.py"), "--flashinfer", str(tmp_path / "none.tar.xz"),
            "--out", str(tmp_path / "out"), "--work", str(tmp_path / "work")]  # fmt: skip
