@@ -364,6 +364,8 @@ EXPLORE_NAMES = {
     "branches_exit_search": "graph branches, hot kernel searching only to leave (mode 22)",
     "fix_stop": "shipped split, hot kernel stops at its last tile (mode 23)",
     "branches_stop": "graph branches, hot kernel stops at its last tile (mode 24)",
+    "fix_stop_both": "shipped split, both kernels stop at their last tile (mode 25)",
+    "branches_stop_both": "graph branches, both kernels stop at their last tile (mode 26)",
 }
 
 

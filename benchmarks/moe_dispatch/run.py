@@ -178,6 +178,9 @@ HOT_FIRST_SPLIT = (
     "    run_swap_ab(plan.cold_m, {1, plan.boundary}, /*overlap=*/true);\n"
 )
 HOT_FIRST_SPLIT_HOOK = (
+    "    // --explore, modes 25/26: the cold class (1..boundary rows) with bit 4 of the top byte\n"
+    "    // of its lower bound set: its kernel stops at its last tile too (SEARCH_HOOKS).\n"
+    "    constexpr uint32_t kColdStop = (16u << 24) | 1u;\n"
     "    if (vllm_h20_rule_mode == 10) {\n"
     "      run_regular(plan.hot_m, {plan.boundary + 1, deep_gemm::kAnyRows});\n"
     "    } else if (vllm_h20_rule_mode == 14) {\n"
@@ -191,20 +194,22 @@ HOT_FIRST_SPLIT_HOOK = (
     "                           : vllm_h20_rule_mode == 18 ? 7\n"
     "                                                      : 8;\n"
     "      run_regular(plan.hot_m, {plan.boundary + 1, deep_gemm::kAnyRows - off});\n"
-    "    } else if (vllm_h20_rule_mode == 23) {\n"
+    "    } else if (vllm_h20_rule_mode == 23 || vllm_h20_rule_mode == 25) {\n"
     "      run_regular(plan.hot_m, {plan.boundary + 1, deep_gemm::kAnyRows - 16});\n"
-    "      run_swap_ab(plan.cold_m, {1, plan.boundary}, /*overlap=*/true);\n"
+    "      run_swap_ab(plan.cold_m, {vllm_h20_rule_mode == 25 ? kColdStop : 1u, plan.boundary},\n"
+    "                  /*overlap=*/true);\n"
     "    } else if (vllm_h20_rule_mode == 11) {\n"
     "      run_regular(plan.hot_m, {plan.boundary + 1, deep_gemm::kAnyRows});\n"
     "      run_swap_ab(plan.cold_m, {1, plan.boundary});\n"
     "    } else if (vllm_h20_rule_mode == 12 || vllm_h20_rule_mode == 13 ||\n"
     "               vllm_h20_rule_mode == 19 || vllm_h20_rule_mode == 20 ||\n"
-    "               vllm_h20_rule_mode == 22 || vllm_h20_rule_mode == 24) {\n"
+    "               vllm_h20_rule_mode == 22 || vllm_h20_rule_mode == 24 ||\n"
+    "               vllm_h20_rule_mode == 26) {\n"
     "      cudaStream_t const main_stream = stream, side = vllm_h20_fork(stream);\n"
     "      uint32_t const lean = vllm_h20_rule_mode == 19   ? 2\n"
     "                            : vllm_h20_rule_mode == 20 ? 3\n"
     "                            : vllm_h20_rule_mode == 22 ? 10\n"
-    "                            : vllm_h20_rule_mode == 24 ? 18\n"
+    "                            : vllm_h20_rule_mode >= 24 ? 18\n"
     "                                                       : 0;\n"
     "      auto hot = [&] {\n"
     "        stream = main_stream;\n"
@@ -212,7 +217,8 @@ HOT_FIRST_SPLIT_HOOK = (
     "      };\n"
     "      auto cold = [&] {\n"
     "        stream = side;\n"
-    "        run_swap_ab(plan.cold_m, {1, plan.boundary});\n"
+    "        uint32_t const cold_min = vllm_h20_rule_mode == 26 ? kColdStop : 1u;\n"
+    "        run_swap_ab(plan.cold_m, {cold_min, plan.boundary});\n"
     "      };\n"
     "      if (vllm_h20_rule_mode != 13) {\n"
     "        hot();\n"
@@ -244,7 +250,9 @@ HOT_FIRST_EXPLORE_HOOKS = (*HOT_FIRST_HOOKS, (HOT_FIRST_SPLIT, HOT_FIRST_SPLIT_H
 # hot kernel and no PDL instructions. 23 = the shipped split whose hot kernel stops at its
 # class's last tile (bit 4: the search's total, so that a CTA past its last tile leaves without
 # walking the groups after it, as FlashInfer's kernel walks them); 24 = mode 12 with that hot
-# kernel and no PDL instructions. Both are whole versions.
+# kernel and no PDL instructions. Both are whole versions. 25 / 26 = 23 / 24 with the cold
+# (swap-A/B) kernel stopping at its class's last tile too: its class is 1..boundary, so the
+# switch is the top byte of its lower bound (bit 4 there; rows_in_class masks it off).
 # The calib headers only (SEARCH_HOOKS) read a class bounded by kAnyRows - k, k = 1..31, as
 # those switches: bit 0 no search, bit 1 no PDL instructions, bit 2 no class check, bit 3 the
 # search only for leaving, bit 4 stop at the class's last tile (each its own cache name,
@@ -289,7 +297,8 @@ SEARCHES = (
 )
 DIAG_FLAGS = (
     "\n  static constexpr uint32_t kDiag =\n"
-    "      kMaxRows != kAnyRows && kMaxRows >= kAnyRows - 31 ? kAnyRows - kMaxRows : 0;\n"
+    "      (kMaxRows != kAnyRows && kMaxRows >= kAnyRows - 31 ? kAnyRows - kMaxRows : 0) |\n"
+    "      (kMinRows >> 24);\n"
     "  static constexpr bool kNoSearch = kDiag & 1, kNoPdl = kDiag & 2, kNoCheck = kDiag & 4,\n"
     "                        kExitOnly = kDiag & 8, kStopAtTotal = kDiag & 16;"
 )
@@ -318,6 +327,8 @@ SEARCH_HOOKS = {
          "      if (curr_group_idx == kNumGroups) return false;\n"
          "      if (kStopAtTotal && next_block_idx >= vllm_h20_end) return false;\n"
          "      n_offset = __ldg("),
+        ("    return rows >= static_cast<int64_t>(kMinRows) && rows <=", 1,
+         "    return rows >= static_cast<int64_t>(kMinRows & 0xffffffu) && rows <="),
         ("rows_in_class<kMinRows, kMaxRows>(m) ? ceil_div(m,", 1,
          "(kNoCheck || rows_in_class<kMinRows, kMaxRows>(m)) ? ceil_div(m,"),
         ("rows_in_class<kMinRows, kMaxRows>(n) ? ceil_div(n,", 1,
@@ -555,6 +566,8 @@ HOT_FIRST_EXPLORE = (
     Version("branches_exit_search", "calib", "fixed", (22, 0)),
     Version("fix_stop", "calib", "fixed", (23, 0)),
     Version("branches_stop", "calib", "fixed", (24, 0)),
+    Version("fix_stop_both", "calib", "fixed", (25, 0)),
+    Version("branches_stop_both", "calib", "fixed", (26, 0)),
 )
 DIAGNOSTIC = frozenset(
     {"hot_only", "hot_no_search", "hot_no_pdl", "hot_no_check", "hot_as_stock", "hot_exit_search"}

@@ -108,6 +108,7 @@ def test_calibration_hooks_apply_to_the_patched_sources(tmp_path):
                 2 if explores_search else 0
             )
             assert ("first.total = base * kOtherBlocks;" in sched) is explores_search
+            assert ("static_cast<int64_t>(kMinRows & 0xffffffu)" in sched) is explores_search
             assert ("deep_gemm::kAnyRows - off}" in text) is explores_search
             launchers = (nv / run.FP8_GEMM_CUH).read_text()
             assert ("vllm_h20_grid(num_sms)" in launchers) is (variant == "calib")
@@ -154,10 +155,15 @@ def test_explore_hot_kernels_compile_from_the_calibration_headers(tmp_path):
     any_rows = 0xFFFFFFFF
     ks = (1, 10, 20)  # every bit at least once; 10 = mode 22's hot kernel
     sources = {f"k{k}": ["regular", "17", str(any_rows - k)] for k in ks}
+    # ... and modes 25/26's cold kernel: swap-A/B, 1..16 rows, bit 4 in its lower bound's top byte
+    cold_stop = (16 << 24) | 1
+    sources["kcold"] = ["swap", str(cold_stop), "16"]
     generated = dk.generate(GEN, sources, csrc, installed_fi, tmp_path)
     assert [generated[f"k{k}_tag"] for k in ks] == [f"_class17-{any_rows - k}" for k in ks]
+    assert generated["kcold_tag"] == f"_class{cold_stop}-16"
+    ks = (*ks, "cold")
 
-    def compile_one(k: int):
+    def compile_one(k):
         return dk.compile_kernel(generated[f"k{k}"], nv / "tensorrt_llm", tmp_path, f"k{k}")
 
     with ThreadPoolExecutor(2) as pool:
