@@ -366,6 +366,8 @@ EXPLORE_NAMES = {
     "branches_stop": "graph branches, hot kernel stops at its last tile (mode 24)",
     "fix_stop_both": "shipped split, both kernels stop at their last tile (mode 25)",
     "branches_stop_both": "graph branches, both kernels stop at their last tile (mode 26)",
+    "branches_exit_stop": "graph branches, both stop, hot searching only to leave (mode 27)",
+    "fix_exit_stop": "shipped split, both stop, hot searching only to leave (mode 28)",
 }
 
 

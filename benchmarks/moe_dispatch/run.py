@@ -178,7 +178,7 @@ HOT_FIRST_SPLIT = (
     "    run_swap_ab(plan.cold_m, {1, plan.boundary}, /*overlap=*/true);\n"
 )
 HOT_FIRST_SPLIT_HOOK = (
-    "    // --explore, modes 25/26: the cold class (1..boundary rows) with bit 4 of the top byte\n"
+    "    // --explore, modes 25-28: the cold class (1..boundary rows) with bit 4 of the top byte\n"
     "    // of its lower bound set: its kernel stops at its last tile too (SEARCH_HOOKS).\n"
     "    constexpr uint32_t kColdStop = (16u << 24) | 1u;\n"
     "    if (vllm_h20_rule_mode == 10) {\n"
@@ -194,9 +194,11 @@ HOT_FIRST_SPLIT_HOOK = (
     "                           : vllm_h20_rule_mode == 18 ? 7\n"
     "                                                      : 8;\n"
     "      run_regular(plan.hot_m, {plan.boundary + 1, deep_gemm::kAnyRows - off});\n"
-    "    } else if (vllm_h20_rule_mode == 23 || vllm_h20_rule_mode == 25) {\n"
-    "      run_regular(plan.hot_m, {plan.boundary + 1, deep_gemm::kAnyRows - 16});\n"
-    "      run_swap_ab(plan.cold_m, {vllm_h20_rule_mode == 25 ? kColdStop : 1u, plan.boundary},\n"
+    "    } else if (vllm_h20_rule_mode == 23 || vllm_h20_rule_mode == 25 ||\n"
+    "               vllm_h20_rule_mode == 28) {\n"
+    "      uint32_t const hot_off = vllm_h20_rule_mode == 28 ? 24 : 16;\n"
+    "      run_regular(plan.hot_m, {plan.boundary + 1, deep_gemm::kAnyRows - hot_off});\n"
+    "      run_swap_ab(plan.cold_m, {vllm_h20_rule_mode >= 25 ? kColdStop : 1u, plan.boundary},\n"
     "                  /*overlap=*/true);\n"
     "    } else if (vllm_h20_rule_mode == 11) {\n"
     "      run_regular(plan.hot_m, {plan.boundary + 1, deep_gemm::kAnyRows});\n"
@@ -204,11 +206,12 @@ HOT_FIRST_SPLIT_HOOK = (
     "    } else if (vllm_h20_rule_mode == 12 || vllm_h20_rule_mode == 13 ||\n"
     "               vllm_h20_rule_mode == 19 || vllm_h20_rule_mode == 20 ||\n"
     "               vllm_h20_rule_mode == 22 || vllm_h20_rule_mode == 24 ||\n"
-    "               vllm_h20_rule_mode == 26) {\n"
+    "               vllm_h20_rule_mode == 26 || vllm_h20_rule_mode == 27) {\n"
     "      cudaStream_t const main_stream = stream, side = vllm_h20_fork(stream);\n"
     "      uint32_t const lean = vllm_h20_rule_mode == 19   ? 2\n"
     "                            : vllm_h20_rule_mode == 20 ? 3\n"
     "                            : vllm_h20_rule_mode == 22 ? 10\n"
+    "                            : vllm_h20_rule_mode == 27 ? 26\n"
     "                            : vllm_h20_rule_mode >= 24 ? 18\n"
     "                                                       : 0;\n"
     "      auto hot = [&] {\n"
@@ -217,7 +220,7 @@ HOT_FIRST_SPLIT_HOOK = (
     "      };\n"
     "      auto cold = [&] {\n"
     "        stream = side;\n"
-    "        uint32_t const cold_min = vllm_h20_rule_mode == 26 ? kColdStop : 1u;\n"
+    "        uint32_t const cold_min = vllm_h20_rule_mode >= 26 ? kColdStop : 1u;\n"
     "        run_swap_ab(plan.cold_m, {cold_min, plan.boundary});\n"
     "      };\n"
     "      if (vllm_h20_rule_mode != 13) {\n"
@@ -252,7 +255,9 @@ HOT_FIRST_EXPLORE_HOOKS = (*HOT_FIRST_HOOKS, (HOT_FIRST_SPLIT, HOT_FIRST_SPLIT_H
 # walking the groups after it, as FlashInfer's kernel walks them); 24 = mode 12 with that hot
 # kernel and no PDL instructions. Both are whole versions. 25 / 26 = 23 / 24 with the cold
 # (swap-A/B) kernel stopping at its class's last tile too: its class is 1..boundary, so the
-# switch is the top byte of its lower bound (bit 4 there; rows_in_class masks it off).
+# switch is the top byte of its lower bound (bit 4 there; rows_in_class masks it off). 27 / 28
+# = 26 / 25 with the hot kernel also searching only to leave (bits 3 + 4: its CTAs with a tile
+# walk from the first group, as FlashInfer's do, and all of them stop at the last tile).
 # The calib headers only (SEARCH_HOOKS) read a class bounded by kAnyRows - k, k = 1..31, as
 # those switches: bit 0 no search, bit 1 no PDL instructions, bit 2 no class check, bit 3 the
 # search only for leaving, bit 4 stop at the class's last tile (each its own cache name,
@@ -274,14 +279,6 @@ SEARCHES = (
     "__device__ __host__ constexpr bool vllm_h20_searches() {\n"
     "  if constexpr (has_row_class<SchedulerType>()) {\n"
     "    return !SchedulerType::kNoSearch;\n"
-    "  } else {\n"
-    "    return false;\n"
-    "  }\n"
-    "}\n"
-    "template <typename SchedulerType>\n"
-    "__device__ __host__ constexpr bool vllm_h20_starts_at() {\n"
-    "  if constexpr (has_row_class<SchedulerType>()) {\n"
-    "    return !SchedulerType::kNoSearch && !SchedulerType::kExitOnly;\n"
     "  } else {\n"
     "    return false;\n"
     "  }\n"
@@ -315,8 +312,11 @@ SEARCH_HOOKS = {
         ("    base += __shfl_sync(0xffffffffu, incl, 31);\n  }\n  return first;", 1,
          "    base += __shfl_sync(0xffffffffu, incl, 31);\n  }\n"
          "  first.total = base * kOtherBlocks;\n  return first;"),
-        ("    curr_cumsum = first.cumsum;\n  }\n", 2,
-         "    curr_cumsum = first.cumsum;\n"
+        ("    curr_group_idx = first.group;\n    curr_cumsum = first.cumsum;\n  }\n", 2,
+         "    if constexpr (!kExitOnly) {  // bit 3: walk from the first group instead\n"
+         "      curr_group_idx = first.group;\n"
+         "      curr_cumsum = first.cumsum;\n"
+         "    }\n"
          "    if constexpr (kStopAtTotal) vllm_h20_end = first.total;\n"
          "  }\n  uint32_t vllm_h20_end = 0xffffffffu;  // no tile from here on (bit 4)\n"),
         ("      if (curr_group_idx == kNumGroups) return false;\n      m_offset = __ldg(", 1,
@@ -338,7 +338,7 @@ SEARCH_HOOKS = {
         ("  if constexpr (has_row_class<SchedulerType>()) {\n    first_tile = ", 2,
          "  if constexpr (vllm_h20_searches<SchedulerType>()) {\n    first_tile = "),
         ("  if constexpr (has_row_class<SchedulerType>()) {\n    scheduler.start_at(", 2,
-         "  if constexpr (vllm_h20_starts_at<SchedulerType>()) {\n    scheduler.start_at("),
+         "  if constexpr (vllm_h20_searches<SchedulerType>()) {\n    scheduler.start_at("),
         (f"    {PDL_TRIGGER}\n    if (!first_tile.found) {{\n      {PDL_WAIT}", 2,
          f"    {PDL_IF}{PDL_TRIGGER}\n    if (!first_tile.found) {{\n      {PDL_IF}{PDL_WAIT}"),
         (f"      if constexpr (has_row_class<SchedulerType>()) {{\n        {PDL_WAIT}", 2,
@@ -568,6 +568,8 @@ HOT_FIRST_EXPLORE = (
     Version("branches_stop", "calib", "fixed", (24, 0)),
     Version("fix_stop_both", "calib", "fixed", (25, 0)),
     Version("branches_stop_both", "calib", "fixed", (26, 0)),
+    Version("branches_exit_stop", "calib", "fixed", (27, 0)),
+    Version("fix_exit_stop", "calib", "fixed", (28, 0)),
 )
 DIAGNOSTIC = frozenset(
     {"hot_only", "hot_no_search", "hot_no_pdl", "hot_no_check", "hot_as_stock", "hot_exit_search"}

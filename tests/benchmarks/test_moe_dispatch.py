@@ -89,11 +89,9 @@ def test_calibration_hooks_apply_to_the_patched_sources(tmp_path):
             dg = nv / "tensorrt_llm" / "deep_gemm"
             impl, sched = (dg / "fp8_gemm_impl.cuh").read_text(), (dg / "scheduler.cuh").read_text()
             assert impl.count("if constexpr (vllm_h20_searches<SchedulerType>())") == (
-                2 if explores_search else 0
+                4 if explores_search else 0
             )
-            assert impl.count("if constexpr (vllm_h20_starts_at<SchedulerType>())") == (
-                2 if explores_search else 0
-            )
+            assert sched.count("if constexpr (!kExitOnly) {") == (2 if explores_search else 0)
             # ... and modes 16-18 (kAnyRows - k: bit 0 no search, 1 no PDL instructions, 2 no
             # class check): every PDL instruction of both kernels and both walks' checks switch
             assert impl.count("if constexpr (vllm_h20_pdl<SchedulerType>())") == (
@@ -133,7 +131,8 @@ def test_explore_hot_kernels_compile_from_the_calibration_headers(tmp_path):
     are compiled on the GPU machine, at run time, from the calibration build's headers: a hook
     that leaves those headers uncompilable must fail here, not after a lease's build. Bits 0 (no
     search), 1 (no PDL instructions), 2 (no class check), 3 (search only to leave) and 4 (stop at
-    the last tile), as modes 14 and 19-24 use them, each compiled with DeepGEMM's flags."""
+    the last tile), as modes 14 and 19-28 use them, and the cold kernel's stop (modes 25-28), each
+    compiled with DeepGEMM's flags."""
     import importlib.util
     from concurrent.futures import ThreadPoolExecutor
 
@@ -153,7 +152,7 @@ def test_explore_hot_kernels_compile_from_the_calibration_headers(tmp_path):
     csrc = dk.overlay_csrc(installed_fi, overlay.shipped_patches(installed_fi.version),
                            tmp_path / "overlay")  # fmt: skip
     any_rows = 0xFFFFFFFF
-    ks = (1, 10, 20)  # every bit at least once; 10 = mode 22's hot kernel
+    ks = (1, 10, 20, 26)  # every bit at least once; 10, 26: modes 22 and 27's hot kernels
     sources = {f"k{k}": ["regular", "17", str(any_rows - k)] for k in ks}
     # ... and modes 25/26's cold kernel: swap-A/B, 1..16 rows, bit 4 in its lower bound's top byte
     cold_stop = (16 << 24) | 1
