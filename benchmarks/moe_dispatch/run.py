@@ -273,7 +273,7 @@ HAS_ROW_CLASS = (
     "}\n"
 )
 SEARCHES = (
-    "\n// vllm-h20 --explore (modes 14, 16-18): a row class bounded by kAnyRows - k turns parts\n"
+    "\n// vllm-h20 --explore (modes 14, 16-28): a row class bounded by kAnyRows - k turns parts\n"
     "// of the row-class kernel off (run.py SEARCH_HOOKS).\n"
     "template <typename SchedulerType>\n"
     "__device__ __host__ constexpr bool vllm_h20_searches() {\n"
