@@ -126,6 +126,40 @@ def test_run_refuses_unknown_routings_and_emulations_in_one_line(tmp_path, args,
     assert len(r.stderr.strip().splitlines()) == 1 and "Traceback" not in r.stderr
 
 
+def test_the_calibration_builds_dispatch_compiles(tmp_path):
+    """run.py's calibration build (every rule mode's hooks in grouped_gemm_dispatch, the explore
+    switches in the headers) is compiled on the GPU machine, first thing in a lease: compiled
+    here too (-c, the shipped series, FlashInfer's sources as installed, run.py's nvcc flags), so
+    that a hook which does not compile fails in CI."""
+    import importlib.util
+
+    from tests.moe import deepgemm_kernels as dk
+    from vllm_h20.moe import build, flashinfer_src
+
+    if importlib.util.find_spec("flashinfer") is None:
+        pytest.skip("FlashInfer is not installed (CI installs it with vLLM 0.33.0)")
+    nvcc = dk.nvcc()
+    fi = flashinfer_src.installed()
+    run = _run_py()
+    data = tmp_path / "data"
+    for sub in ("csrc/nv_internal", "include", "cutlass/include", "cutlass/tools/util/include",
+                "spdlog/include"):  # fmt: skip
+        shutil.copytree(fi.root / sub, data / sub, symlinks=True)
+    nv = run.prepare_sources(data, tmp_path / "work", "calib", "")
+    assert "vllm_h20_rule_mode == 28" in (nv / run.KERNEL_CUH).read_text()
+    includes = [nv, nv / "include", nv / "tensorrt_llm/cutlass_extensions/include",
+                nv / "tensorrt_llm/kernels/cutlass_kernels/include",
+                nv / "tensorrt_llm/kernels/cutlass_kernels", data / "include", data / "csrc",
+                data / "cutlass/include", data / "cutlass/tools/util/include",
+                data / "spdlog/include"]  # fmt: skip
+    cublas = build.find_cublas_include(build.find_cuda_home())  # None: the toolkit has it
+    cmd = [nvcc, "-c", str(nv / run.GEMM_CU), "-o", str(tmp_path / "gemm.o"), *run.NVCC_FLAGS,
+           "-DVLLM_H20_PATCHED", "-DVLLM_H20_FORCE_HOOK", *(f"-I{i}" for i in includes),
+           *(["-isystem", cublas] if cublas else [])]  # fmt: skip
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=1200)
+    assert r.returncode == 0, r.stderr[-3000:]
+
+
 def test_explore_hot_kernels_compile_from_the_calibration_headers(tmp_path):
     """--explore's hot kernels switched by a class bound of kAnyRows - k (run.py SEARCH_HOOKS)
     are compiled on the GPU machine, at run time, from the calibration build's headers: a hook
