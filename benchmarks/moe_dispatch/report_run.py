@@ -838,6 +838,11 @@ def _header(res: dict, versions: list[str], tag: str) -> list[str]:
     ]
 
 
+def profiled(res: dict) -> bool:
+    """Whether a run was made with --profile (some case has a traced version)."""
+    return any((r.get("profile") or {}).get("versions") for r in res["ab"])
+
+
 def explore_only(folder: Path, tag: str) -> str:
     """A folder of explore runs alone (no kernel-level A/B): each run's table and profile."""
     out = []
@@ -848,7 +853,7 @@ def explore_only(folder: Path, tag: str) -> str:
                 f"{dev['name']} ({dev['sms']} SMs; torch {dev['torch']}, CUDA {dev['cuda']}), "
                 f"{dev['flashinfer_sources']}, series `{res['series']}`.", "",
                 *explore_section(f), ""]  # fmt: skip
-        if any((r.get("profile") or {}).get("versions") for r in res["ab"]):
+        if profiled(res):
             out += [f"### Where the time goes: `{f.name}` (--profile)", "", PROFILE_HOW, "",
                     *profile_section(res, explore_labels(res)), ""]  # fmt: skip
     return "\n".join(out)
@@ -916,7 +921,7 @@ def render(folder: Path, tag: str) -> str:
     for f in [folder / f"kernel_{tag}.json", *sorted(folder.glob(f"explore_*_{tag}.json"))]:
         traced = json.loads(f.read_text())
         names = label if f.name.startswith("kernel_") else explore_labels(traced)
-        if any((r.get("profile") or {}).get("versions") for r in traced["ab"]):
+        if profiled(traced):
             out += [f"## Where the time goes: `{f.name}` (--profile)", "", PROFILE_HOW, "",
                     *profile_section(traced, names), ""]  # fmt: skip
     fused = fused_section(folder, candidate_of(res), tag)

@@ -31,9 +31,10 @@ def _run_py():
     return load_script(HERE / "run.py", "moe_dispatch_run")
 
 
-def test_calibration_hooks_apply_to_the_patched_sources(tmp_path):
-    """run.py rewrites lines of the patched grouped_gemm_dispatch for its calibration build; a
-    patch that moves them must fail here, not on the GPU machine."""
+def _flashinfer_data(tmp_path: Path, *subs: str):
+    """The installed FlashInfer and a copy of its data directory's `subs` laid out as run.py
+    unpacks its source tarball (csrc/nv_internal always), for the tests that prepare or compile
+    run.py's variants; skips where FlashInfer is not installed."""
     import importlib.util
 
     from vllm_h20.moe import flashinfer_src
@@ -41,10 +42,17 @@ def test_calibration_hooks_apply_to_the_patched_sources(tmp_path):
     if importlib.util.find_spec("flashinfer") is None:
         pytest.skip("FlashInfer is not installed (CI installs it with vLLM 0.33.0)")
     installed_fi = flashinfer_src.installed()
-    run = _run_py()
     data = tmp_path / "data"
-    shutil.copytree(installed_fi.root / "csrc" / "nv_internal", data / "csrc" / "nv_internal",
-                    symlinks=True)  # fmt: skip
+    for sub in ("csrc/nv_internal", *subs):
+        shutil.copytree(installed_fi.root / sub, data / sub, symlinks=True)
+    return installed_fi, data
+
+
+def test_calibration_hooks_apply_to_the_patched_sources(tmp_path):
+    """run.py rewrites lines of the patched grouped_gemm_dispatch for its calibration build; a
+    patch that moves them must fail here, not on the GPU machine."""
+    installed_fi, data = _flashinfer_data(tmp_path)
+    run = _run_py()
     kinds = (("", "hot_first"), (run.CANDIDATE, "fitted"),
              ("candidates/estimated-row-classes", "shipped"),
              ("candidates/whole-expert-tiles", "classes"),
@@ -131,20 +139,13 @@ def test_the_calibration_builds_dispatch_compiles(tmp_path):
     switches in the headers) is compiled on the GPU machine, first thing in a lease: compiled
     here too (-c, the shipped series, FlashInfer's sources as installed, run.py's nvcc flags), so
     that a hook which does not compile fails in CI."""
-    import importlib.util
-
     from tests.moe import deepgemm_kernels as dk
-    from vllm_h20.moe import build, flashinfer_src
+    from vllm_h20.moe import build
 
-    if importlib.util.find_spec("flashinfer") is None:
-        pytest.skip("FlashInfer is not installed (CI installs it with vLLM 0.33.0)")
+    _, data = _flashinfer_data(tmp_path, "include", "cutlass/include",
+                               "cutlass/tools/util/include", "spdlog/include")  # fmt: skip
     nvcc = dk.nvcc()
-    fi = flashinfer_src.installed()
     run = _run_py()
-    data = tmp_path / "data"
-    for sub in ("csrc/nv_internal", "include", "cutlass/include", "cutlass/tools/util/include",
-                "spdlog/include"):  # fmt: skip
-        shutil.copytree(fi.root / sub, data / sub, symlinks=True)
     nv = run.prepare_sources(data, tmp_path / "work", "calib", "")
     assert "vllm_h20_rule_mode == 28" in (nv / run.KERNEL_CUH).read_text()
     includes = [nv, nv / "include", nv / "tensorrt_llm/cutlass_extensions/include",
@@ -167,21 +168,15 @@ def test_explore_hot_kernels_compile_from_the_calibration_headers(tmp_path):
     search), 1 (no PDL instructions), 2 (no class check), 3 (search only to leave) and 4 (stop at
     the last tile), as modes 14 and 19-28 use them, and the cold kernel's stop (modes 25-28), each
     compiled with DeepGEMM's flags."""
-    import importlib.util
     from concurrent.futures import ThreadPoolExecutor
 
     from tests.moe import deepgemm_kernels as dk
     from tests.moe.test_deepgemm_row_class import GEN
-    from vllm_h20.moe import flashinfer_src, overlay
+    from vllm_h20.moe import overlay
 
-    if importlib.util.find_spec("flashinfer") is None:
-        pytest.skip("FlashInfer is not installed (CI installs it with vLLM 0.33.0)")
+    installed_fi, data = _flashinfer_data(tmp_path)
     dk.nvcc()
-    installed_fi = flashinfer_src.installed()
     run = _run_py()
-    data = tmp_path / "data"
-    shutil.copytree(installed_fi.root / "csrc" / "nv_internal", data / "csrc" / "nv_internal",
-                    symlinks=True)  # fmt: skip
     nv = run.prepare_sources(data, tmp_path / "work", "calib", "")
     csrc = dk.overlay_csrc(installed_fi, overlay.shipped_patches(installed_fi.version),
                            tmp_path / "overlay")  # fmt: skip

@@ -48,6 +48,14 @@ def candidate_series(series: str, last: str) -> Path:
     return root / series / last
 
 
+def series_patches(version: str, series: str):
+    """The patches of one series under patches/flashinfer/ ("" the shipped one) for a FlashInfer
+    version, as vllm-h20 picks them ($VLLM_H20_PATCH_SERIES)."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv(overlay.SERIES_ENV, series)
+        return overlay.shipped_patches(version)
+
+
 def nvcc() -> str:
     found = shutil.which("nvcc")
     if found is None:

@@ -17,8 +17,6 @@ from __future__ import annotations
 import subprocess
 from pathlib import Path
 
-import pytest
-
 from tests.moe import deepgemm_kernels as dk
 from vllm_h20.moe import overlay
 from vllm_h20.moe.patchfile import read_patch
@@ -52,9 +50,7 @@ def test_kernel_headers_are_the_shipped_series(installed_fi, patches, tmp_path):
     """Every header DeepGEMM's run-time compile reads (deep_gemm/) is the shipped series' byte for
     byte under the candidate, so its kernels, their cache names and `kernels precompile`'s plan
     are the shipped series'."""
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv(overlay.SERIES_ENV, SERIES)
-        candidate = overlay.shipped_patches(installed_fi.version)
+    candidate = dk.series_patches(installed_fi.version, SERIES)
     trees = {
         "shipped": dk.overlay_csrc(installed_fi, patches, tmp_path / "shipped"),
         "candidate": dk.overlay_csrc(installed_fi, candidate, tmp_path / "candidate"),

@@ -72,17 +72,11 @@ def test_the_candidate_is_the_shipped_series_and_one_patch():
         assert len(sorted((overlay.patches_dir() / "flashinfer" / line).glob("*.patch"))) == 2
 
 
-def _series_patches(version: str, series: str):
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv(overlay.SERIES_ENV, series)
-        return overlay.shipped_patches(version)
-
-
 @pytest.fixture(scope="module")
 def trees(installed_fi, patches, tmp_path_factory) -> dict[str, Path]:
     """csrc/ of the installed FlashInfer with the shipped series and with the candidate."""
     work = tmp_path_factory.mktemp("trees")
-    candidate = _series_patches(installed_fi.version, SERIES)
+    candidate = dk.series_patches(installed_fi.version, SERIES)
     assert [p.subject for p in candidate[: len(patches)]] == [p.subject for p in patches]
     return {"shipped": dk.overlay_csrc(installed_fi, patches, work / "shipped"),
             "candidate": dk.overlay_csrc(installed_fi, candidate, work / "candidate")}  # fmt: skip
@@ -328,7 +322,7 @@ def _flashinfer_test(series: str, version: str, work: Path):
     import importlib.util
 
     text = None
-    for patch in _series_patches(version, "" if series == "shipped" else SERIES):
+    for patch in dk.series_patches(version, "" if series == "shipped" else SERIES):
         for diff in patch.files:
             if diff.path == FI_TEST:
                 text = apply_file(diff, text)

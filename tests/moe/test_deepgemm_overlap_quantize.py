@@ -49,9 +49,7 @@ def test_0003_overlaps_the_hot_launch_and_the_quantization_lets_it():
 
 @pytest.fixture(scope="module")
 def candidate_csrc(installed_fi, tmp_path_factory) -> Path:
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv(overlay.SERIES_ENV, SERIES)
-        patches = overlay.shipped_patches(installed_fi.version)
+    patches = dk.series_patches(installed_fi.version, SERIES)
     assert patches[-1].subject.startswith("fused_moe: let the SM90 FP8 hot row class overlap")
     return dk.overlay_csrc(installed_fi, patches, tmp_path_factory.mktemp("c"))
 
