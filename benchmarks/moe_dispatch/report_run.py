@@ -343,7 +343,8 @@ def emulation_section(emu: dict) -> list[str]:
 
 
 # run.py --explore's rule modes on the whole-expert-tile series (CLASS_EXPLORE) and on the
-# shipped hot-first series (HOT_FIRST_EXPLORE).
+# shipped hot-first series (HOT_FIRST_EXPLORE); modes 16-28 are those of the series before the
+# stop at the last tile (2026-12-06), 29-32 those of the series with it.
 EXPLORE_NAMES = {
     "hot_first": "hot class first (mode 6)",
     "one_swap": "one swap-A/B launch up to 128 rows (mode 7)",
@@ -368,6 +369,10 @@ EXPLORE_NAMES = {
     "branches_stop_both": "graph branches, both kernels stop at their last tile (mode 26)",
     "branches_exit_stop": "graph branches, both stop, hot searching only to leave (mode 27)",
     "fix_exit_stop": "shipped split, both stop, hot searching only to leave (mode 28)",
+    "before_stop": "class kernels as shipped until 2026-12-06: no stop, start at tile (mode 29)",
+    "always_jump": "stop at the last tile, always start at the tile (mode 30)",
+    "always_walk": "stop at the last tile, always walk from the first group (mode 31)",
+    "no_stop": "the series' start rule without the stop (mode 32)",
 }
 
 

@@ -178,52 +178,33 @@ HOT_FIRST_SPLIT = (
     "    run_swap_ab(plan.cold_m, {1, plan.boundary}, /*overlap=*/true);\n"
 )
 HOT_FIRST_SPLIT_HOOK = (
-    "    // --explore, modes 25-28: the cold class (1..boundary rows) with bit 4 of the top byte\n"
-    "    // of its lower bound set: its kernel stops at its last tile too (SEARCH_HOOKS).\n"
-    "    constexpr uint32_t kColdStop = (16u << 24) | 1u;\n"
+    "    // --explore, modes 29-32: both class kernels with switches (SEARCH_HOOKS) in the hot\n"
+    "    // class's upper bound and in the top byte of the cold class's lower bound.\n"
+    "    constexpr uint32_t kSwitches[] = {48, 32, 8, 16};\n"
     "    if (vllm_h20_rule_mode == 10) {\n"
     "      run_regular(plan.hot_m, {plan.boundary + 1, deep_gemm::kAnyRows});\n"
     "    } else if (vllm_h20_rule_mode == 14) {\n"
     "      run_regular(plan.hot_m, {plan.boundary + 1, deep_gemm::kAnyRows - 1});\n"
     "    } else if (vllm_h20_rule_mode == 15) {\n"
     "      run_regular(plan.hot_m, {1, deep_gemm::kAnyRows});\n"
-    "    } else if ((vllm_h20_rule_mode >= 16 && vllm_h20_rule_mode <= 18) ||\n"
-    "               vllm_h20_rule_mode == 21) {\n"
-    "      uint32_t const off = vllm_h20_rule_mode == 16   ? 2\n"
-    "                           : vllm_h20_rule_mode == 17 ? 4\n"
-    "                           : vllm_h20_rule_mode == 18 ? 7\n"
-    "                                                      : 8;\n"
-    "      run_regular(plan.hot_m, {plan.boundary + 1, deep_gemm::kAnyRows - off});\n"
-    "    } else if (vllm_h20_rule_mode == 23 || vllm_h20_rule_mode == 25 ||\n"
-    "               vllm_h20_rule_mode == 28) {\n"
-    "      uint32_t const hot_off = vllm_h20_rule_mode == 28 ? 24 : 16;\n"
-    "      run_regular(plan.hot_m, {plan.boundary + 1, deep_gemm::kAnyRows - hot_off});\n"
-    "      run_swap_ab(plan.cold_m, {vllm_h20_rule_mode >= 25 ? kColdStop : 1u, plan.boundary},\n"
-    "                  /*overlap=*/true);\n"
+    "    } else if (vllm_h20_rule_mode >= 29 && vllm_h20_rule_mode <= 32) {\n"
+    "      uint32_t const bits = kSwitches[vllm_h20_rule_mode - 29];\n"
+    "      run_regular(plan.hot_m, {plan.boundary + 1, deep_gemm::kAnyRows - bits});\n"
+    "      run_swap_ab(plan.cold_m, {(bits << 24) | 1u, plan.boundary}, /*overlap=*/true);\n"
     "    } else if (vllm_h20_rule_mode == 11) {\n"
     "      run_regular(plan.hot_m, {plan.boundary + 1, deep_gemm::kAnyRows});\n"
     "      run_swap_ab(plan.cold_m, {1, plan.boundary});\n"
-    "    } else if (vllm_h20_rule_mode == 12 || vllm_h20_rule_mode == 13 ||\n"
-    "               vllm_h20_rule_mode == 19 || vllm_h20_rule_mode == 20 ||\n"
-    "               vllm_h20_rule_mode == 22 || vllm_h20_rule_mode == 24 ||\n"
-    "               vllm_h20_rule_mode == 26 || vllm_h20_rule_mode == 27) {\n"
+    "    } else if (vllm_h20_rule_mode == 12 || vllm_h20_rule_mode == 13) {\n"
     "      cudaStream_t const main_stream = stream, side = vllm_h20_fork(stream);\n"
-    "      uint32_t const lean = vllm_h20_rule_mode == 19   ? 2\n"
-    "                            : vllm_h20_rule_mode == 20 ? 3\n"
-    "                            : vllm_h20_rule_mode == 22 ? 10\n"
-    "                            : vllm_h20_rule_mode == 27 ? 26\n"
-    "                            : vllm_h20_rule_mode >= 24 ? 18\n"
-    "                                                       : 0;\n"
     "      auto hot = [&] {\n"
     "        stream = main_stream;\n"
-    "        run_regular(plan.hot_m, {plan.boundary + 1, deep_gemm::kAnyRows - lean});\n"
+    "        run_regular(plan.hot_m, {plan.boundary + 1, deep_gemm::kAnyRows});\n"
     "      };\n"
     "      auto cold = [&] {\n"
     "        stream = side;\n"
-    "        uint32_t const cold_min = vllm_h20_rule_mode >= 26 ? kColdStop : 1u;\n"
-    "        run_swap_ab(plan.cold_m, {cold_min, plan.boundary});\n"
+    "        run_swap_ab(plan.cold_m, {1, plan.boundary});\n"
     "      };\n"
-    "      if (vllm_h20_rule_mode != 13) {\n"
+    "      if (vllm_h20_rule_mode == 12) {\n"
     "        hot();\n"
     "        cold();\n"
     "      } else {\n"
@@ -235,33 +216,22 @@ HOT_FIRST_SPLIT_HOOK = (
     "    } else {\n" + HOT_FIRST_SPLIT.replace("    run", "      run") + "    }\n"
 )
 HOT_FIRST_EXPLORE_HOOKS = (*HOT_FIRST_HOOKS, (HOT_FIRST_SPLIT, HOT_FIRST_SPLIT_HOOK))
-# ... and what the row-class regular kernel's own extra time is (kernel-profile-h100: 0.6-2.3 us
-# per GEMM over FlashInfer's kernel with the same tiles), one part of it at a time. 14 = the hot
-# class without the first-tile search (a diagnostic like 10: its CTAs walk the groups from the
-# first, as FlashInfer's do, and the class is checked in the walk), 15 = the row-class kernel
-# with its search on every expert with rows (class 1-any: FlashInfer's tiles, the row-class
-# machinery), 16 = the hot class without the programmatic-dependent-launch instructions (the
-# hot launch is never the dependent one, so they are no-ops there), 17 = without the class
-# check in the walk (a diagnostic: right only where the cold class is empty), 18 = without
-# search, PDL instructions and check (FlashInfer's code under a row-class name; a diagnostic).
-# 19 / 20 = mode 12 (graph branches, hot first) with a leaner hot kernel, whole versions: 19
-# without its PDL instructions (no-ops in a launch that is nobody's dependent), 20 without them
-# and without the search (the cold launch, on the other branch, keeps both). 21 = the hot class
-# searching only to let the CTAs without a tile leave (bit 3): those with one walk from the
-# first group as FlashInfer's do (which starts the CTAs of the first groups, the ones with a
-# second tile when the tiles just exceed the grid, before the others); 22 = mode 12 with that
-# hot kernel and no PDL instructions. 23 = the shipped split whose hot kernel stops at its
-# class's last tile (bit 4: the search's total, so that a CTA past its last tile leaves without
-# walking the groups after it, as FlashInfer's kernel walks them); 24 = mode 12 with that hot
-# kernel and no PDL instructions. Both are whole versions. 25 / 26 = 23 / 24 with the cold
-# (swap-A/B) kernel stopping at its class's last tile too: its class is 1..boundary, so the
-# switch is the top byte of its lower bound (bit 4 there; rows_in_class masks it off). 27 / 28
-# = 26 / 25 with the hot kernel also searching only to leave (bits 3 + 4: its CTAs with a tile
-# walk from the first group, as FlashInfer's do, and all of them stop at the last tile).
-# The calib headers only (SEARCH_HOOKS) read a class bounded by kAnyRows - k, k = 1..31, as
-# those switches: bit 0 no search, bit 1 no PDL instructions, bit 2 no class check, bit 3 the
-# search only for leaving, bit 4 stop at the class's last tile (each its own cache name,
-# _class<min>-<kAnyRows - k>); such a bound admits any real row count.
+# ... and what the row-class kernels' parts cost, one at a time. 14 = the hot class without the
+# first-tile search (a diagnostic like 10: its CTAs walk the groups from the first, as
+# FlashInfer's do, to the last group), 15 = the row-class kernel with its search on every expert
+# with rows (class 1-any: FlashInfer's tiles, the row-class machinery). 29-32 = the shipped split
+# with both class kernels switched (whole versions): 29 = as shipped until 2026-12-06 (every
+# CTA starts at its tile and walks to the last group after its last tile), 30 = stopping at the
+# launch's last tile, every CTA starting at its tile, 31 = stopping there, every CTA walking
+# from the first group, 32 = the series' start rule (at the tile within one wave, else the
+# walk) without the stop. Modes 16-28 were switches on the series before the stop
+# (kernel-split-h100, explore_split2) and are gone with it.
+# The calib headers only (SEARCH_HOOKS) read a class bounded by kAnyRows - k, k = 1..63, as
+# switches: bit 0 no search, bit 1 no PDL instructions, bit 2 no class check, bit 3 walk from the
+# first group, bit 4 no stop at the launch's last tile, bit 5 start at the tile (each its own
+# cache name, _class<min>-<kAnyRows - k>); such a bound admits any real row count. The cold
+# class is 1..boundary, so its switches are the top byte of its lower bound (rows_in_class masks
+# it off).
 SEARCH_FLAG_LINE = "  static constexpr bool kRowClass = kMinRows > 0 || kMaxRows != kAnyRows;"
 HAS_ROW_CLASS = (
     "__device__ __host__ constexpr bool has_row_class() {\n"
@@ -273,8 +243,8 @@ HAS_ROW_CLASS = (
     "}\n"
 )
 SEARCHES = (
-    "\n// vllm-h20 --explore (modes 14, 16-28): a row class bounded by kAnyRows - k turns parts\n"
-    "// of the row-class kernel off (run.py SEARCH_HOOKS).\n"
+    "\n// vllm-h20 --explore (modes 14, 29-32): a row class bounded by kAnyRows - k switches\n"
+    "// parts of the row-class kernel (run.py SEARCH_HOOKS).\n"
     "template <typename SchedulerType>\n"
     "__device__ __host__ constexpr bool vllm_h20_searches() {\n"
     "  if constexpr (has_row_class<SchedulerType>()) {\n"
@@ -294,10 +264,10 @@ SEARCHES = (
 )
 DIAG_FLAGS = (
     "\n  static constexpr uint32_t kDiag =\n"
-    "      (kMaxRows != kAnyRows && kMaxRows >= kAnyRows - 31 ? kAnyRows - kMaxRows : 0) |\n"
+    "      (kMaxRows != kAnyRows && kMaxRows >= kAnyRows - 63 ? kAnyRows - kMaxRows : 0) |\n"
     "      (kMinRows >> 24);\n"
     "  static constexpr bool kNoSearch = kDiag & 1, kNoPdl = kDiag & 2, kNoCheck = kDiag & 4,\n"
-    "                        kExitOnly = kDiag & 8, kStopAtTotal = kDiag & 16;"
+    "                        kWalk = kDiag & 8, kNoStop = kDiag & 16, kJump = kDiag & 32;"
 )
 PDL_WAIT = 'asm volatile("griddepcontrol.wait;" ::: "memory");'
 PDL_TRIGGER = 'asm volatile("griddepcontrol.launch_dependents;");'
@@ -306,27 +276,10 @@ SEARCH_HOOKS = {
     "tensorrt_llm/deep_gemm/scheduler.cuh": (
         (SEARCH_FLAG_LINE, 2, SEARCH_FLAG_LINE + DIAG_FLAGS),
         (HAS_ROW_CLASS, 1, HAS_ROW_CLASS + SEARCHES),
-        ("  uint32_t cumsum = 0;\n};", 1,
-         "  uint32_t cumsum = 0;\n"
-         "  uint32_t total = 0;  // the class's tiles (--explore, bit 4)\n};"),
-        ("    base += __shfl_sync(0xffffffffu, incl, 31);\n  }\n  return first;", 1,
-         "    base += __shfl_sync(0xffffffffu, incl, 31);\n  }\n"
-         "  first.total = base * kOtherBlocks;\n  return first;"),
-        ("    curr_group_idx = first.group;\n    curr_cumsum = first.cumsum;\n  }\n", 2,
-         "    if constexpr (!kExitOnly) {  // bit 3: walk from the first group instead\n"
-         "      curr_group_idx = first.group;\n"
-         "      curr_cumsum = first.cumsum;\n"
-         "    }\n"
-         "    if constexpr (kStopAtTotal) vllm_h20_end = first.total;\n"
-         "  }\n  uint32_t vllm_h20_end = 0xffffffffu;  // no tile from here on (bit 4)\n"),
-        ("      if (curr_group_idx == kNumGroups) return false;\n      m_offset = __ldg(", 1,
-         "      if (curr_group_idx == kNumGroups) return false;\n"
-         "      if (kStopAtTotal && next_block_idx >= vllm_h20_end) return false;\n"
-         "      m_offset = __ldg("),
-        ("      if (curr_group_idx == kNumGroups) return false;\n      n_offset = __ldg(", 1,
-         "      if (curr_group_idx == kNumGroups) return false;\n"
-         "      if (kStopAtTotal && next_block_idx >= vllm_h20_end) return false;\n"
-         "      n_offset = __ldg("),
+        ("    if (first.tiles <= gridDim.x) {\n", 2,
+         "    if (!kWalk && (kJump || first.tiles <= gridDim.x)) {\n"),
+        ("    end_block_idx = first.tiles;\n", 2,
+         "    if constexpr (!kNoStop) end_block_idx = first.tiles;\n"),
         ("    return rows >= static_cast<int64_t>(kMinRows) && rows <=", 1,
          "    return rows >= static_cast<int64_t>(kMinRows & 0xffffffu) && rows <="),
         ("rows_in_class<kMinRows, kMaxRows>(m) ? ceil_div(m,", 1,
@@ -544,10 +497,10 @@ CLASS_EXPLORE = (
     Version("one_swap", "calib", "fixed", (7, 0)),
     Version("hot_first_r64", "calib", "fixed", (8, 0)),
 )
-# --explore on the shipped series: the rule modes 10-15 (HOT_FIRST_SPLIT_HOOK) beside the series
-# (`fix`) and the calibration build's copy of it (`fix_calib`, mode 0: same launches, so what
-# the build alone changes). `hot_only` is a diagnostic (DIAGNOSTIC): its output is incomplete
-# wherever the cold class has rows, and that is not counted as a failed check.
+# --explore on the shipped series: the rule modes 10-15 and 29-32 (HOT_FIRST_SPLIT_HOOK) beside
+# the series (`fix`) and the calibration build's copy of it (`fix_calib`, mode 0: same launches,
+# so what the build alone changes). `hot_only` and `hot_no_search` are diagnostics (DIAGNOSTIC):
+# their output is incomplete wherever the cold class has rows, not counted as a failed check.
 HOT_FIRST_EXPLORE = (
     *EXPLORE_BASE,
     Version("fix_calib", "calib", "fixed", (0, 0)),
@@ -557,23 +510,12 @@ HOT_FIRST_EXPLORE = (
     Version("branches_cold_first", "calib", "fixed", (13, 0)),
     Version("hot_no_search", "calib", "fixed", (14, 0)),
     Version("every_class", "calib", "fixed", (15, 0)),
-    Version("hot_no_pdl", "calib", "fixed", (16, 0)),
-    Version("hot_no_check", "calib", "fixed", (17, 0)),
-    Version("hot_as_stock", "calib", "fixed", (18, 0)),
-    Version("branches_no_pdl", "calib", "fixed", (19, 0)),
-    Version("branches_no_search", "calib", "fixed", (20, 0)),
-    Version("hot_exit_search", "calib", "fixed", (21, 0)),
-    Version("branches_exit_search", "calib", "fixed", (22, 0)),
-    Version("fix_stop", "calib", "fixed", (23, 0)),
-    Version("branches_stop", "calib", "fixed", (24, 0)),
-    Version("fix_stop_both", "calib", "fixed", (25, 0)),
-    Version("branches_stop_both", "calib", "fixed", (26, 0)),
-    Version("branches_exit_stop", "calib", "fixed", (27, 0)),
-    Version("fix_exit_stop", "calib", "fixed", (28, 0)),
+    Version("before_stop", "calib", "fixed", (29, 0)),
+    Version("always_jump", "calib", "fixed", (30, 0)),
+    Version("always_walk", "calib", "fixed", (31, 0)),
+    Version("no_stop", "calib", "fixed", (32, 0)),
 )
-DIAGNOSTIC = frozenset(
-    {"hot_only", "hot_no_search", "hot_no_pdl", "hot_no_check", "hot_as_stock", "hot_exit_search"}
-)
+DIAGNOSTIC = frozenset({"hot_only", "hot_no_search"})
 # The emulations' columns, all from the calib build (one module per process).
 EMU_VERSIONS = (
     Version("stock", "calib", "stock", AVG_ONLY),
@@ -1148,8 +1090,9 @@ def parse_args() -> argparse.Namespace:
                          f"one), e.g. {CANDIDATE}")  # fmt: skip
     ap.add_argument("--explore", action="store_true",
                     help="other versions: on the shipped series, its hot launch alone (a "
-                         "diagnostic), its split without the overlap, and the split on two "
-                         "CUDA-graph branches in either order; with --series "
+                         "diagnostic), its split without the overlap, the split on two "
+                         "CUDA-graph branches in either order, and its class kernels with parts "
+                         "switched (the stop at the last tile, the start rule); with --series "
                          "candidates/whole-expert-tiles, its split with the hot class first, one "
                          "swap-A/B launch up to 128 rows and the hot-first rule; with the "
                          "fitted-tile series, the previous plan and the split with the largest "

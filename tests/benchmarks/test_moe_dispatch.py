@@ -99,9 +99,9 @@ def test_calibration_hooks_apply_to_the_patched_sources(tmp_path):
             assert impl.count("if constexpr (vllm_h20_searches<SchedulerType>())") == (
                 4 if explores_search else 0
             )
-            assert sched.count("if constexpr (!kExitOnly) {") == (2 if explores_search else 0)
-            # ... and modes 16-18 (kAnyRows - k: bit 0 no search, 1 no PDL instructions, 2 no
-            # class check): every PDL instruction of both kernels and both walks' checks switch
+            # ... and modes 29-32 (kAnyRows - k: bit 0 no search, 1 no PDL instructions, 2 no
+            # class check, 3 walk from the first group, 4 no stop, 5 start at the tile): every
+            # PDL instruction of both kernels, both walks' checks, both schedulers' start and stop
             assert impl.count("if constexpr (vllm_h20_pdl<SchedulerType>())") == (
                 6 if explores_search else 0
             )
@@ -109,13 +109,20 @@ def test_calibration_hooks_apply_to_the_patched_sources(tmp_path):
                 assert impl.count("griddepcontrol") == 6
             assert sched.count("(kNoCheck || rows_in_class<") == (2 if explores_search else 0)
             assert ("kNoSearch = kDiag & 1, kNoPdl = kDiag & 2" in sched) is explores_search
-            assert ("kExitOnly = kDiag & 8, kStopAtTotal = kDiag & 16;" in sched) is explores_search
-            assert sched.count("if (kStopAtTotal && next_block_idx >= vllm_h20_end)") == (
+            assert ("kWalk = kDiag & 8, kNoStop = kDiag & 16, kJump = kDiag & 32;" in sched) is (
+                explores_search
+            )
+            assert sched.count("if (!kWalk && (kJump || first.tiles <= gridDim.x)) {") == (
                 2 if explores_search else 0
             )
-            assert ("first.total = base * kOtherBlocks;" in sched) is explores_search
+            assert sched.count("if constexpr (!kNoStop) end_block_idx = first.tiles;") == (
+                2 if explores_search else 0
+            )
+            # the shipped series' own start and stop (its 0002), in both its patched variants
+            stops = variant != "stock" and kind == "hot_first"
+            assert sched.count("end_block_idx = first.tiles;") == (2 if stops else 0)
             assert ("static_cast<int64_t>(kMinRows & 0xffffffu)" in sched) is explores_search
-            assert ("deep_gemm::kAnyRows - off}" in text) is explores_search
+            assert ("deep_gemm::kAnyRows - bits}" in text) is explores_search
             launchers = (nv / run.FP8_GEMM_CUH).read_text()
             assert ("vllm_h20_grid(num_sms)" in launchers) is (variant == "calib")
             assert run.deepgemm_dir(data, work, variant).endswith("tensorrt_llm")
@@ -147,7 +154,7 @@ def test_the_calibration_builds_dispatch_compiles(tmp_path):
     nvcc = dk.nvcc()
     run = _run_py()
     nv = run.prepare_sources(data, tmp_path / "work", "calib", "")
-    assert "vllm_h20_rule_mode == 28" in (nv / run.KERNEL_CUH).read_text()
+    assert "vllm_h20_rule_mode <= 32" in (nv / run.KERNEL_CUH).read_text()
     includes = [nv, nv / "include", nv / "tensorrt_llm/cutlass_extensions/include",
                 nv / "tensorrt_llm/kernels/cutlass_kernels/include",
                 nv / "tensorrt_llm/kernels/cutlass_kernels", data / "include", data / "csrc",
@@ -162,11 +169,12 @@ def test_the_calibration_builds_dispatch_compiles(tmp_path):
 
 
 def test_explore_hot_kernels_compile_from_the_calibration_headers(tmp_path):
-    """--explore's hot kernels switched by a class bound of kAnyRows - k (run.py SEARCH_HOOKS)
-    are compiled on the GPU machine, at run time, from the calibration build's headers: a hook
-    that leaves those headers uncompilable must fail here, not after a lease's build. Bits 0 (no
-    search), 1 (no PDL instructions), 2 (no class check), 3 (search only to leave) and 4 (stop at
-    the last tile), as modes 14 and 19-28 use them, and the cold kernel's stop (modes 25-28), each
+    """--explore's class kernels switched by a class bound of kAnyRows - k (run.py
+    SEARCH_HOOKS) are compiled on the GPU machine, at run time, from the calibration build's
+    headers: a hook that leaves those headers uncompilable must fail here, not after a lease's
+    build. Bits 0 (no search), 1 (no PDL instructions), 2 (no class check), 3 (walk from the
+    first group), 4 (no stop at the last tile) and 5 (start at the tile), as modes 14 and 29-32
+    use them, and a cold kernel with them in its lower bound's top byte (modes 29-32), each
     compiled with DeepGEMM's flags."""
     from concurrent.futures import ThreadPoolExecutor
 
@@ -181,10 +189,10 @@ def test_explore_hot_kernels_compile_from_the_calibration_headers(tmp_path):
     csrc = dk.overlay_csrc(installed_fi, overlay.shipped_patches(installed_fi.version),
                            tmp_path / "overlay")  # fmt: skip
     any_rows = 0xFFFFFFFF
-    ks = (1, 10, 20, 26)  # every bit at least once; 10, 26: modes 22 and 27's hot kernels
+    ks = (1, 6, 48, 8)  # every bit at least once; 48 / 8: modes 29 and 31's hot kernels
     sources = {f"k{k}": ["regular", "17", str(any_rows - k)] for k in ks}
-    # ... and modes 25/26's cold kernel: swap-A/B, 1..16 rows, bit 4 in its lower bound's top byte
-    cold_stop = (16 << 24) | 1
+    # ... and mode 29's cold kernel: swap-A/B, 1..16 rows, its switches in the top byte
+    cold_stop = (48 << 24) | 1
     sources["kcold"] = ["swap", str(cold_stop), "16"]
     generated = dk.generate(GEN, sources, csrc, installed_fi, tmp_path)
     assert [generated[f"k{k}_tag"] for k in ks] == [f"_class17-{any_rows - k}" for k in ks]

@@ -29,7 +29,8 @@ int vllm_h20_force_branch = 0;
 // the GPU's ridge, else mode 6); candidates/one-launch only: 9 = the shipped series' dispatch
 // (the dual launch off: two launches, hot class first); the shipped (hot-first) series only:
 // 10 = its hot launch alone (a diagnostic), 11 = its split without the overlap, 12 / 13 = its
-// classes on two forked branches, the hot launch issued first / second. split_rows (mode 0, 5):
+// classes on two forked branches, the hot launch issued first / second, 14 / 15 / 29-32 = its
+// class kernels with parts switched (run.py HOT_FIRST_SPLIT_HOOK). split_rows (mode 0, 5):
 // 0 = the patch's own; else a second, regular launch for the
 // experts with more than 128 rows whenever the token count exceeds it.
 int vllm_h20_rule_mode = 0, vllm_h20_rule_split_rows = 0;
