@@ -175,8 +175,29 @@ def kind_of(res: dict) -> str:
     return SERIES_KIND.get(res.get("series", ""), res.get("series_kind", "fitted"))
 
 
+# A run of the shipped hot-first series itself (no --series): `fix` is that series, `prev` the
+# plan shipped until 2026-12-03 (rule mode 3) on this build's kernels.
+SHIPPED_HOT_FIRST = {
+    "fix": "shipped per-expert (0001 + 0002)",
+    "fix_again": "shipped again (A/A)",
+    "prev": "plan shipped until 2026-12-03 (mode 3)",
+    "series": "",
+    "reproduce": '`STEPS="explore kernel emulated rerun fused" EXPLORE_ROUTINGS=same_spread,'
+    "pool16,pool8,zipf2,uniform EXPLORE_TOKENS=128,192,288,1024 bash "
+    "benchmarks/moe_dispatch/h200.sh start` (then `wait`, `collect`)",
+    "short": "shipped per-expert",
+    "lead": "Shipped per-expert",
+    "title": "the shipped per-expert dispatch",
+    "built": "The run built the shipped series (`patches/flashinfer/`), so `fix` is it; `prev` "
+    "is the plan shipped until 2026-12-03, run from the calibration build (rule mode 3, the "
+    "same kernels).",
+}
+
+
 def candidate_of(res: dict) -> dict:
-    """The CANDIDATES entry of a run."""
+    """The CANDIDATES entry of a run (SHIPPED_HOT_FIRST for a run of the shipped series)."""
+    if res.get("series") == "shipped" and res.get("series_kind") == "hot_first":
+        return SHIPPED_HOT_FIRST
     return CANDIDATES[kind_of(res)]
 
 
@@ -190,7 +211,11 @@ def prev_plan(plan: str) -> str:
 def labels(res: dict) -> dict[str, str]:
     """Column names of a run: NAMES with its candidate's."""
     c = candidate_of(res)
-    return NAMES | {"fix": c["fix"], "fix_again": c["fix_again"]}
+    return (
+        NAMES
+        | {"fix": c["fix"], "fix_again": c["fix_again"]}
+        | ({"prev": c["prev"]} if "prev" in c else {})
+    )
 
 
 def names(rows):
@@ -320,7 +345,7 @@ def emulation_section(emu: dict) -> list[str]:
             f"{len(rows) - len(below)} of {len(rows)} within 3 % of max(stock, average-only).",
             "",
             "| routing | tokens | stock ms | average-only | "
-            + ("shipped per-expert | " if prev else "")
+            + (f"{cand.get('prev', 'shipped per-expert')} | " if prev else "")
             + f"{short} | {short} / max(1, average-only) |",
             "|---|---:|---:|---:|---:|---:|" + ("---:|" if prev else ""),
         ]
@@ -465,8 +490,13 @@ def fused_section(folder: Path, cand: dict, tag: str) -> list[str]:
     out = [
         f"FlashInfer {res['device']['flashinfer']}'s own `cutlass_fused_moe(..., "
         "use_deepseek_fp8_block_scale=True)` on every EP8 rank (permute, FC1, SwiGLU + FP8 "
-        "requantization, FC2, finalize), the reduced module built from the candidate series "
-        f"(`VLLM_H20_PATCH_SERIES={cand['series']}`) against the one built from "
+        "requantization, FC2, finalize), the reduced module built from "
+        + (
+            f"the candidate series (`VLLM_H20_PATCH_SERIES={cand['series']}`)"
+            if cand["series"]
+            else "the shipped series"
+        )
+        + " against the one built from "
         "FlashInfer's own sources; same method as the kernel-level run.",
         "",
         f"- Outputs: the {cand['short']} module's are bit-identical to the unpatched module's in "
@@ -820,10 +850,15 @@ def _header(res: dict, versions: list[str], tag: str) -> list[str]:
         f"{res['fp8_tflops_measured']:.0f} TFLOP/s, measured in the same run.",
         "- Columns: "
         + "; ".join(f"**{label[v]}** (`{v}`)" for v in ["stock", *versions])
-        + f". The run built `patches/flashinfer/{cand['series']}` as the patched "
-        "series (then the shipped one), so `fix` is the candidate and `prev` the shipped plan, "
-        f"run from the calibration build with the shipped rule ({cand['prev_kernels']}). "
-        f"Reproduce: {cand['reproduce']}.",
+        + ". "
+        + cand.get(
+            "built",
+            f"The run built `patches/flashinfer/{cand.get('series')}` as the "
+            "patched series (then the shipped one), so `fix` is the candidate and `prev` "
+            "the shipped plan, run from the calibration build with the shipped rule "
+            f"({cand.get('prev_kernels')}).",
+        )
+        + f" Reproduce: {cand['reproduce']}.",
         f"- Method: FC1 (N 4608, K 5120) + FC2 (N 5120, K 2304) of all 8 EP ranks of "
         "DeepSeek-V4.1-Flash (50 of 400 slots, top-6) on one GPU, CUDA graphs, 5 warm-ups and "
         f"24 samples, per sample the slowest rank, the median; {len(res['ab'])} cases "
@@ -910,7 +945,9 @@ def render(folder: Path, tag: str) -> str:
             f"`{emu['command']}` (emulated_{tag}.json): the calibration build plans tiles and "
             "the swap threshold for 78 SMs; its launches get 78, 40 or 20 CTAs. "
             + (
-                "Stock, average-only, the shipped plan and the candidate."
+                "Stock, average-only, the plan shipped until 2026-12-03 and the shipped series."
+                if candidate_of(emu) is SHIPPED_HOT_FIRST
+                else "Stock, average-only, the shipped plan and the candidate."
                 if any(
                     "prev" in e["ab"][0]["speedups"]
                     for e in emu.values()
@@ -931,7 +968,8 @@ def render(folder: Path, tag: str) -> str:
                     *profile_section(traced, names), ""]  # fmt: skip
     fused = fused_section(folder, candidate_of(res), tag)
     if fused:
-        out += ["## Through FlashInfer's fused op (candidate module)", "", *fused, ""]
+        module = "shipped" if candidate_of(res) is SHIPPED_HOT_FIRST else "candidate"
+        out += [f"## Through FlashInfer's fused op ({module} module)", "", *fused, ""]
     if (folder / f"fused_{tag}.json").exists():
         out += ["## What H20 would do: the model", "", *model_section(res, folder, tag), ""]
     return "\n".join(out) + "\n"

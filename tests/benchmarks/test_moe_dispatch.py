@@ -118,8 +118,9 @@ def test_calibration_hooks_apply_to_the_patched_sources(tmp_path):
             assert sched.count("if constexpr (!kNoStop) end_block_idx = first.tiles;") == (
                 2 if explores_search else 0
             )
-            # the shipped series' own start and stop (its 0002), in both its patched variants
-            stops = variant != "stock" and kind == "hot_first"
+            # the shipped 0002's start and stop, in the patched variants of the series built on
+            # it (one-launch keeps the 0002 before the stop)
+            stops = variant != "stock" and kind in ("hot_first", "branches", "overlap_quantize")
             assert sched.count("end_block_idx = first.tiles;") == (2 if stops else 0)
             assert ("static_cast<int64_t>(kMinRows & 0xffffffu)" in sched) is explores_search
             assert ("deep_gemm::kAnyRows - bits}" in text) is explores_search
@@ -434,6 +435,24 @@ def test_one_launch_run_readme_is_rendered_from_its_files(tmp_path):
     rendered = text[len((src / "NOTES.md").read_text()) :]
     assert rendered.startswith("# Concentrated routing on one H100: ")
     assert "(kernel_h100.json, kernel_h100.log)" in rendered and "H200" not in rendered
+
+
+def test_last_tile_run_readme_is_rendered_from_its_files(tmp_path):
+    """benchmarks/results/moe_dispatch/last-tile-h100/README.md (a run of the shipped series
+    itself, no --series): its columns named for the shipped series and for the plan shipped
+    until 2026-12-03 (`prev`, rule mode 3), not for a candidate; the bar's counts as its notes
+    quote them; the explore modes 29-32 by name."""
+    src = RESULTS / "moe_dispatch" / "last-tile-h100"
+    text = _rerendered(src, tmp_path)
+    rendered = text[len((src / "NOTES.md").read_text()) :]
+    assert rendered.startswith("# Concentrated routing on one H100: the shipped per-expert")
+    assert "(candidate)" not in rendered and "candidate module" not in rendered
+    assert "| plan shipped until 2026-12-03 (mode 3) | shipped per-expert (0001 + 0002) |" in text
+    assert "| cases at or above 0.98x stock | 51 of 110 | 99 of 110 | 110 of 110 |" in text
+    assert "| worst case | 0.33x | 0.48x | 0.98x |" in text
+    assert "## Through FlashInfer's fused op (shipped module)" in text
+    assert "bit-identical to the unpatched module's in 110 of 110 cases" in text
+    assert "stop at the last tile, always walk from the first group (mode 31)" in text
 
 
 def test_run_folder_without_one_kernel_file_is_refused_in_one_line(tmp_path):

@@ -1,11 +1,12 @@
-"""candidates/one-launch (0003 on the shipped series): both row classes of the per-expert split in
-one launch, compiled here with nvcc for sm_90a (no GPU needed).
+"""candidates/one-launch (0003 on the series shipped until 2026-12-06, whose row-class kernels did
+not yet stop at the launch's last tile): both row classes of the per-expert split in one launch,
+compiled here with nvcc for sm_90a (no GPU needed).
 
 With concentrated routing the shipped split's second launch is empty and still costs ~1.5 us per
 GEMM on an H200 (benchmarks/results/moe_dispatch/hot-first-h200). `fp8_gemm_kernel_dual` runs
 the regular kernel's body on some CTAs and the swap-A/B kernel's on the rest, the grid shared by
 the classes' tiles (`share_grid`). Checked here: the dual kernel compiles only against the overlay,
-spills nothing and is named for both classes; the shipped series' two kernels are byte-identical
+spills nothing and is named for both classes; its base series' two kernels are byte-identical
 under the candidate's headers (their bodies became device functions); `share_grid`, cut out of the
 patch and compiled alone, never gives a CTA to a class without tiles nor leaves a class with tiles
 without one; the whole schedule (the split, each CTA's first tile, its walk), run on the host with
@@ -29,7 +30,7 @@ from tests.moe import deepgemm_kernels as dk
 from tests.moe.test_deepgemm_row_class import GEN as SHIPPED_GEN
 from vllm_h20.moe import overlay
 from vllm_h20.moe import precompile as pc
-from vllm_h20.moe.patchfile import apply_file
+from vllm_h20.moe.patchfile import apply_file, read_patch
 
 SERIES = "candidates/one-launch"
 # DeepSeek-V4.1-Flash FC1 (N 4608, K 5120) on one EP8 rank (50 experts), split at 16 rows: the
@@ -63,23 +64,41 @@ int main(int argc, char** argv) {
 CLASSES = {"cold": ["swap", "1", "16"], "hot": ["regular", "17", "any"]}
 
 
-def test_the_candidate_is_the_shipped_series_and_one_patch():
-    """The candidate folder holds whole series (a maintainer applies a folder with `git am`):
-    the shipped 0001 and 0002, byte for byte, then 0003, on both FlashInfer lines."""
+def test_the_candidate_is_a_whole_series_on_the_0002_before_the_stop():
+    """The candidate folder holds whole series (a maintainer applies a folder with `git am`), on
+    both FlashInfer lines: the shipped 0001 byte for byte; the 0002 it was measured on, which is
+    the shipped one but for the scheduler's stop at the launch's last tile (2026-12-06; its
+    0003 rewrites the start that the stop changed); then 0003."""
     name = "0003-fused_moe-run-both-row-classes-in-one-launch.patch"
-    dk.candidate_series(SERIES, name)
+    root = overlay.patches_dir() / "flashinfer"
     for line in ("", "v0.6.14"):
-        assert len(sorted((overlay.patches_dir() / "flashinfer" / line).glob("*.patch"))) == 2
+        shipped = sorted((root / line).glob("*.patch"))
+        mine = sorted((root / SERIES / line).glob("*.patch"))
+        assert [p.name for p in mine] == [p.name for p in shipped] + [name]
+        assert mine[0].read_bytes() == shipped[0].read_bytes()
+        ours, now = read_patch(mine[1]), read_patch(shipped[1])
+        assert ours.subject == now.subject and ours.paths == now.paths
+        for a, b in zip(ours.files, now.files, strict=True):
+            if a.path.endswith("deep_gemm/scheduler.cuh"):
+                added = ["\n".join(h.new) for h in a.hunks]
+                assert not any("end_block_idx" in h for h in added)
+                assert any("end_block_idx" in "\n".join(h.new) for h in b.hunks)
+            else:
+                assert a == b, a.path
+    assert (root / SERIES / name).read_bytes() == (root / SERIES / "v0.6.14" / name).read_bytes()
 
 
 @pytest.fixture(scope="module")
 def trees(installed_fi, patches, tmp_path_factory) -> dict[str, Path]:
-    """csrc/ of the installed FlashInfer with the shipped series and with the candidate."""
+    """csrc/ of the installed FlashInfer with the shipped series, with the candidate, and with
+    the candidate's base (its 0001 + 0002)."""
     work = tmp_path_factory.mktemp("trees")
     candidate = dk.series_patches(installed_fi.version, SERIES)
     assert [p.subject for p in candidate[: len(patches)]] == [p.subject for p in patches]
     return {"shipped": dk.overlay_csrc(installed_fi, patches, work / "shipped"),
-            "candidate": dk.overlay_csrc(installed_fi, candidate, work / "candidate")}  # fmt: skip
+            "candidate": dk.overlay_csrc(installed_fi, candidate, work / "candidate"),
+            "base": dk.overlay_csrc(installed_fi, candidate[: len(patches)],
+                                    work / "base")}  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -121,14 +140,15 @@ def test_the_dual_kernel_spills_nothing_and_needs_the_overlay(
     assert r.returncode != 0
 
 
-def test_the_shipped_kernels_are_unchanged(generated, trees, tmp_path):
+def test_its_base_series_kernels_are_unchanged(generated, trees, tmp_path):
     """The two-launch kernels (the split where the dual launch does not apply, and every single
-    launch) are what the shipped series builds: same generated source, same cubin."""
+    launch) are what its base series (0001 + 0002) builds: same generated source (the shipped
+    series' too), same cubin."""
     for name in CLASSES:
         source = generated["candidate"][name]
         assert source == generated["shipped"][name], name
         cubins = []
-        for tree in ("shipped", "candidate"):
+        for tree in ("base", "candidate"):
             r = dk.compile_kernel(source, _include(trees[tree]), tmp_path, f"{name}_{tree}")
             assert r.returncode == 0, r.stderr[-3000:]
             cubins.append((tmp_path / f"{name}_{tree}.cubin").read_bytes())

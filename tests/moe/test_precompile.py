@@ -1,6 +1,7 @@
 """`vllm-h20 kernels precompile`: the fix's DeepGEMM kernels planned from the patched headers and
 compiled with nvcc for sm_90a here (no GPU), checked against what the kernel-level A/B compiled on
-the H200 (benchmarks/results/moe_dispatch/hot-first-h200/kernel_h200.json)."""
+the H200 and the H100 (benchmarks/results/moe_dispatch/hot-first-h200/kernel_h200.json,
+last-tile-h100/kernel_h100.json)."""
 
 from __future__ import annotations
 
@@ -19,7 +20,9 @@ from vllm_h20.moe import overlay
 from vllm_h20.moe import precompile as pc
 
 ROOT = Path(__file__).resolve().parents[2]
-H200_RUN = ROOT / "benchmarks/results/moe_dispatch/hot-first-h200/kernel_h200.json"
+# The kernel-level A/B runs of the shipped dispatch on 132-SM GPUs: the H200 run of 2026-12-04 and
+# the H100 run of 2026-12-06 (the same dispatch, its row-class kernels stopping at the last tile).
+GPU_RUNS = ("hot-first-h200/kernel_h200.json", "last-tile-h100/kernel_h100.json")
 # The serve_h200 test model's MoE (benchmarks/serve_h200/make_model.py): V4.1-Flash's experts.
 H200_MODEL = pc.MoeShape(hidden=5120, inter=2304, experts=384, top_k=6)
 
@@ -61,13 +64,14 @@ def _row_tile(name: str) -> int:
     return int(fields[3] if name.startswith("gemm_swapAB_") else fields[2])
 
 
-def test_the_plan_holds_every_kernel_the_h200_run_launched(planner, tmp_path):
-    """The kernel-level A/B on the H200 (moe_dispatch/run.py: V4.1-Flash's experts over EP8, 50
-    of 400 slots per rank, 132 SMs) compiled these while timing the patched series; for each of
-    its token counts the plan must name only kernels it compiled, so the names and the sources
-    the planner writes are the ones DeepGEMM builds at run time. The run's other kernels are
-    stock's, average-only's and the previous plan's."""
-    run = json.loads(H200_RUN.read_text())
+@pytest.mark.parametrize("gpu_run", GPU_RUNS)
+def test_the_plan_holds_every_kernel_the_gpu_runs_launched(planner, tmp_path, gpu_run):
+    """The kernel-level A/B on the H200 and on the H100 (moe_dispatch/run.py: V4.1-Flash's
+    experts over EP8, 50 of 400 slots per rank, 132 SMs) compiled these while timing the patched
+    series; for each of its token counts the plan must name only kernels it compiled, so the
+    names and the sources the planner writes are the ones DeepGEMM builds at run time. The run's
+    other kernels are stock's, average-only's and the previous plan's."""
+    run = json.loads((ROOT / "benchmarks/results/moe_dispatch" / gpu_run).read_text())
     compiled = set(run["kernels"])
     shape = pc.MoeShape(hidden=5120, inter=2304, experts=400, top_k=6, ep_size=8)
     planned: set[str] = set()
