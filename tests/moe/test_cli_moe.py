@@ -77,6 +77,11 @@ def test_patches_export_writes_patches_pr_text_and_evidence(tmp_path):
     (run / "kernel_h200.json").write_text("{}")
     (run / "repeats" / "README.md").write_text("| six runs | 1.0 |\n")
     (run / "repeats" / "1-v1.json.gz").write_bytes(b"")
+    last = results / "moe_dispatch" / "last-tile-h100"  # the newer run, first in PR.md
+    last.mkdir()
+    (last / "README.md").write_text("| tokens | y |\n|---|---|\n| 128 | 1.2 |\n")
+    (last / "kernel_h100.json").write_text("{}")
+    (last / "kernel_h100.log").write_text("not evidence")
     (results / "moe_dispatch_h200.md").write_text("the previous series' table")  # not evidence
     (results / "unrelated.md").write_text("x")
     out = tmp_path / "pr1"
@@ -84,9 +89,14 @@ def test_patches_export_writes_patches_pr_text_and_evidence(tmp_path):
     assert r.returncode == 0, r.stderr
     got = sorted(p.relative_to(out / "evidence").as_posix()
                  for p in (out / "evidence").rglob("*") if p.is_file())  # fmt: skip
-    assert got == ["README.md", "kernel_h200.json", "repeats/README.md"]
+    assert got == ["hot-first-h200/README.md", "hot-first-h200/kernel_h200.json",
+                   "hot-first-h200/repeats/README.md", "last-tile-h100/README.md",
+                   "last-tile-h100/kernel_h100.json"]  # fmt: skip
     pr = (out / "PR.md").read_text()
-    assert "| 288 | 1.1 |" in pr and "### repeats/README" in pr and "| six runs | 1.0 |" in pr
+    assert "| 288 | 1.1 |" in pr and "| six runs | 1.0 |" in pr and "| 128 | 1.2 |" in pr
+    titles = [line for line in pr.splitlines() if line.startswith("### ")]
+    assert titles == ["### last-tile-h100/README", "### hot-first-h200/README",
+                      "### hot-first-h200/repeats/README"]  # fmt: skip
     assert "previous series' table" not in pr
     variant = ROOT / "patches" / "flashinfer" / "v0.6.14"
     assert [p.read_bytes() for p in sorted((out / "v0.6.14").glob("*.patch"))] == [

@@ -12,18 +12,25 @@ from pathlib import Path
 from .overlay import series_dir
 from .patchfile import Patch
 
-# The shipped series' evidence: its run folder under the results folder, and the files in it
-# (kernel-level A/B, emulations, fused op; tables, JSON, plot, the repeated runs).
-# (moe_dispatch/whole-expert-tiles-v2-h200/ and estimated-row-classes-h200/ hold the previous
-# series' evidence.)
-EVIDENCE_DIR = "moe_dispatch/hot-first-h200"
-EVIDENCE = ("README.md", "repeats/README.md", "*_h200.json", "*.png")
+# The shipped series' evidence: its run folders under the results folder, newest first (the
+# H100 run of the series as it is; the H200 run of its dispatch before the row-class kernels
+# stopped at the launch's last tile), and the files in them (kernel-level A/B, emulations, fused
+# op; tables, JSON, plot, the repeated runs). (moe_dispatch/whole-expert-tiles-v2-h200/ and
+# estimated-row-classes-h200/ hold the previous series' evidence.)
+EVIDENCE_ROOT = "moe_dispatch"
+EVIDENCE_DIRS = ("last-tile-h100", "hot-first-h200")
+EVIDENCE = ("README.md", "repeats/README.md", "*_h200.json", "*_h100.json", "*.png")
 
 
 def evidence_files(results: Path) -> list[Path]:
+    """The evidence files found under `results`, folder by folder in EVIDENCE_DIRS' order."""
     if not results.is_dir():
         return []
-    return sorted({f for g in EVIDENCE for f in (results / EVIDENCE_DIR).glob(g) if f.is_file()})
+    found = []
+    for d in EVIDENCE_DIRS:
+        run = results / EVIDENCE_ROOT / d
+        found += sorted({f for g in EVIDENCE for f in run.glob(g) if f.is_file()})
+    return found
 
 
 def write(out: Path, ps: Sequence[Patch], results: Path) -> list[Path]:
@@ -41,8 +48,8 @@ def write(out: Path, ps: Sequence[Patch], results: Path) -> list[Path]:
             for p in sorted(variant.glob("*.patch")):
                 shutil.copyfile(p, tmp / variant.name / p.name)
         (tmp / "evidence").mkdir()
-        # Under evidence/ as below the run folder.
-        names = {e: e.relative_to(results / EVIDENCE_DIR).as_posix() for e in evidence}
+        # Under evidence/ as below the results' moe_dispatch/ (one folder per run).
+        names = {e: e.relative_to(results / EVIDENCE_ROOT).as_posix() for e in evidence}
         for e, name in names.items():
             (tmp / "evidence" / name).parent.mkdir(parents=True, exist_ok=True)
             shutil.copyfile(e, tmp / "evidence" / name)
