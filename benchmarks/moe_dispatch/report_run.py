@@ -191,6 +191,8 @@ SHIPPED_HOT_FIRST = {
     "built": "The run built the shipped series (`patches/flashinfer/`), so `fix` is it; `prev` "
     "is the plan shipped until 2026-12-03, run from the calibration build (rule mode 3, the "
     "same kernels).",
+    "emulated": "Stock, average-only, the plan shipped until 2026-12-03 and the shipped series.",
+    "module": "shipped",
 }
 
 
@@ -945,8 +947,8 @@ def render(folder: Path, tag: str) -> str:
             f"`{emu['command']}` (emulated_{tag}.json): the calibration build plans tiles and "
             "the swap threshold for 78 SMs; its launches get 78, 40 or 20 CTAs. "
             + (
-                "Stock, average-only, the plan shipped until 2026-12-03 and the shipped series."
-                if candidate_of(emu) is SHIPPED_HOT_FIRST
+                candidate_of(emu)["emulated"]
+                if "emulated" in candidate_of(emu)
                 else "Stock, average-only, the shipped plan and the candidate."
                 if any(
                     "prev" in e["ab"][0]["speedups"]
@@ -968,7 +970,7 @@ def render(folder: Path, tag: str) -> str:
                     *profile_section(traced, names), ""]  # fmt: skip
     fused = fused_section(folder, candidate_of(res), tag)
     if fused:
-        module = "shipped" if candidate_of(res) is SHIPPED_HOT_FIRST else "candidate"
+        module = candidate_of(res).get("module", "candidate")
         out += [f"## Through FlashInfer's fused op ({module} module)", "", *fused, ""]
     if (folder / f"fused_{tag}.json").exists():
         out += ["## What H20 would do: the model", "", *model_section(res, folder, tag), ""]
