@@ -79,18 +79,25 @@ def test_a_server_that_goes_away_fails_its_run_and_resume_retries_it(
         if key.target == "a" and rec is not None:
             b.stop()
 
-    res = sweep(tmp_path / "out", s, ts, tokenizer_dir, "guidellm", on_run=kill_b)
+    res = sweep(
+        tmp_path / "out", s, ts, tokenizer_dir, "guidellm", on_run=kill_b, stall_timeout=120
+    )
     assert res.ok == 1 and [f["target"] for f in res.failed] == ["b"]
     assert "cannot reach" in res.failed[0]["error"] and b.url in res.failed[0]["error"]
     rec = json.loads((tmp_path / "out/runs/b/c2-r0.json").read_text())
     assert rec["status"] == "error"
 
     mock_servers("tiny-model", "--itl-ms", "2", port=b.port)
-    res = sweep(tmp_path / "out", s, ts, tokenizer_dir, "guidellm", resume=True)
+    res = sweep(tmp_path / "out", s, ts, tokenizer_dir, "guidellm", resume=True, stall_timeout=120)
     assert (res.skipped, res.ok, res.failed) == (1, 1, [])
     rec = json.loads((tmp_path / "out/runs/b/c2-r0.json").read_text())
     assert rec["status"] == "ok" and rec["throughput_source"] == "guidellm"
-    assert rec["attempt"] == 1 and rec["seed"] == s.run_seed(2, 0) + 10_000_000  # new prompts
+    # The resume's retry is attempt 1, unless its GuideLLM stalled (vllm-project/guidellm#431;
+    # CI saw it once, stop 45) and the sweep ran it once more: then attempt 2, after a stall.
+    assert rec["attempt"] == 1 or (
+        rec["attempt"] == 2 and "did not finish within" in rec["previous_error"]
+    ), rec
+    assert rec["seed"] == s.run_seed(2, 0) + 10_000_000 * rec["attempt"]  # new prompts
 
 
 def _sweep_cli(spec, tok, out, *targets, extra=()):
