@@ -214,6 +214,27 @@ ONE_LAUNCH_ROWS = 32
 NARROW_REGULAR_ROWS = 64
 
 
+SPLIT = "split"  # launch_kind: a regular launch for the hot class, a swap-A/B one for the cold
+
+
+def launch_kind(tokens: int, shape, sms: int, groups: int = cases.LOCAL,
+                hot_first: bool = True) -> tuple[str, int, int]:  # fmt: skip
+    """(kind, m, boundary) of one GEMM of a row-class plan: one "swap_ab" or "regular" launch with
+    tiles sized for m rows, or SPLIT, its cold class's tiles sized for m and experts with
+    1..boundary rows in that class (the patches' grouped_gemm_dispatch; hot_first as in
+    row_class_launches)."""
+    avg = per_expert_expected_m(tokens, cases.TOP_K, cases.LOCAL, cases.EP)
+    tile = tile_rows("swap_ab", busiest_balanced_rows(avg), shape.n, sms, groups)
+    _, cold_m, boundary = plan_whole_expert(avg, tile, tokens, sms)
+    if tokens <= boundary:
+        return "swap_ab", cold_m, boundary
+    if hot_first and tokens <= ONE_LAUNCH_ROWS:
+        return "swap_ab", tokens, boundary
+    if hot_first and tokens <= NARROW_REGULAR_ROWS <= ridge_rows(sms):
+        return "regular", tokens, boundary
+    return SPLIT, cold_m, boundary
+
+
 def row_class_launches(counts, tokens: int, sms: int, hot_first: bool, one_launch: bool = False,
                        branch: bool = False) -> list[tuple[str, list]]:  # fmt: skip
     """The two-class plans per GEMM (each launch pays its c0, empty or not): one swap-A/B launch
@@ -227,19 +248,13 @@ def row_class_launches(counts, tokens: int, sms: int, hot_first: bool, one_launc
     (above 64 tokens: the regular kernel's row tile is 128; every V4.1-Flash N is above 64).
     branch (with hot_first): candidates/graph-branches, whose split's cold launch is a parallel
     branch of the CUDA graph (IN_BRANCH)."""
-    avg = per_expert_expected_m(tokens, cases.TOP_K, cases.LOCAL, cases.EP)
     out = []
     for s in cases.SHAPES:
-        tile = tile_rows("swap_ab", busiest_balanced_rows(avg), s.n, sms, len(counts))
-        _, cold_m, boundary = plan_whole_expert(avg, tile, tokens, sms)
-        if tokens <= boundary:
-            out.append(("swap_ab", [gemm_terms(counts, s, cold_m, "swap_ab", sms)]))
-        elif hot_first and tokens <= ONE_LAUNCH_ROWS:
-            out.append(("swap_ab", [gemm_terms(counts, s, tokens, "swap_ab", sms)]))
-        elif hot_first and tokens <= NARROW_REGULAR_ROWS <= ridge_rows(sms):
-            out.append(("regular", [gemm_terms(counts, s, tokens, "regular", sms)]))
+        kind, m, boundary = launch_kind(tokens, s, sms, len(counts), hot_first)
+        if kind != SPLIT:
+            out.append((kind, [gemm_terms(counts, s, m, kind, sms)]))
         else:
-            cold = gemm_terms(np.where(counts <= boundary, counts, 0), s, cold_m, "swap_ab", sms)
+            cold = gemm_terms(np.where(counts <= boundary, counts, 0), s, m, "swap_ab", sms)
             hot = gemm_terms(np.where(counts > boundary, counts, 0), s, tokens, "regular", sms)
             if one_launch and tokens > NARROW_REGULAR_ROWS:
                 out += [("regular", [hot]), (IN_ONE_LAUNCH, [cold])]

@@ -25,6 +25,7 @@ sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parents[1]))
 
 import cases  # noqa: E402
+import misses as why  # noqa: E402
 import model  # noqa: E402
 
 from vllm_h20.moe.expected_m import fit_n  # noqa: E402
@@ -366,6 +367,8 @@ def emulation_section(emu: dict) -> list[str]:
                 *calib_table(e["calibration"]),
             ]
         out.append("")
+    if kind_of(emu) == "hot_first":
+        out += [*why.emulation_section(emu), ""]
     return out
 
 
@@ -683,7 +686,10 @@ def model_section(res: dict, folder: Path, tag: str) -> list[str]:
             f"| {routing} {tokens} | {s * 1e3:.3f} | {x * 1e3:.3f} | {s / x:.2f}x | "
             f"{seed:.2f}x{tag} | {100 * (s / x / seed - 1):+.0f} % |"
         )
-    out += ["", *h20_cases(res, h20, overhead), "", *ep16_section(h20, overhead, plan)]
+    out += ["", *h20_cases(res, h20, overhead), ""]
+    if plan == "hot_first":
+        out += [*why.model_section(h20, res, overhead), ""]
+    out += ep16_section(h20, overhead, plan)
     return out
 
 
