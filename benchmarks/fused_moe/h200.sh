@@ -20,7 +20,10 @@ work=$repo/.build/fused_moe
 mkdir -p "$work" "$OUT"
 export PYTHONUNBUFFERED=1
 export FLASHINFER_WORKSPACE_BASE=$work/jit VLLM_H20_CACHE_DIR=$work/vllm-h20
-export TRTLLM_DG_CACHE_DIR=$work/deepgemm
+# DeepGEMM names a cached kernel by its template arguments only: one cache per state of the
+# patches, or a changed patch would run the kernels of the one before it.
+patches_sha=$(find patches/flashinfer -name '*.patch' -type f | LC_ALL=C sort | xargs cat | sha256sum)
+export TRTLLM_DG_CACHE_DIR=$work/deepgemm/${patches_sha:0:12}
 # DeepGEMM compiles its kernels with nvcc at run time; without one it silently runs another path.
 TRTLLM_DG_NVCC_COMPILER=${TRTLLM_DG_NVCC_COMPILER:-$(command -v nvcc || echo /usr/local/cuda/bin/nvcc)}
 export TRTLLM_DG_NVCC_COMPILER

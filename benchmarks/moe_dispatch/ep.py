@@ -371,6 +371,7 @@ def main() -> None:
     if not args.flashinfer or not args.out:
         ap.error("--flashinfer and --out are required")
     args.out.mkdir(parents=True, exist_ok=True)
+    args.work = single.work_for(args.work, "", args.flashinfer.name)  # the shipped series' now
     args.work.mkdir(parents=True, exist_ok=True)
     os.environ.setdefault("TRTLLM_DG_CACHE_DIR", str(args.work / "deepgemm"))
     os.environ.setdefault("TRTLLM_DG_NVCC_COMPILER", shutil.which("nvcc") or "nvcc")

@@ -43,7 +43,9 @@ copy_repo() {
     rm -rf "$S/repo" && mkdir -p "$S/repo" && cp -a . "$S/repo/" && rm -rf "$S/repo/.build"
 }
 
-# The kernel-level A/B's command (run.py), its builds and DeepGEMM cache kept in $S/work.
+# The kernel-level A/B's command (run.py), its builds and DeepGEMM cache kept in $S/work, in one
+# directory per series and state of its patches (run.py's work_for): a later start with a
+# changed patch builds it anew instead of timing the earlier one.
 RUN=(python3 benchmarks/moe_dispatch/run.py --flashinfer .fi/flashinfer-0.7.2.post1-src.tar.xz
      --work "$S/work" --series "${SERIES:-}")
 if [ -n "${SERIES:-}" ]; then

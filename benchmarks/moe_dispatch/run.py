@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures as cf
+import hashlib
 import json
 import os
 import platform
@@ -385,6 +386,24 @@ def series_patches(series: str = "") -> list[Path]:
     if not files:
         raise SystemExit(f"no patches in patches/flashinfer/{series}")
     return files
+
+
+def build_inputs(series: str = "") -> list[Path]:
+    """The files a run's builds are made from besides FlashInfer's sources: the series' patches,
+    this file (the calibration hooks) and the extension's sources."""
+    ext = sorted(f for f in (HERE / "ext").iterdir() if f.is_file())
+    return [*series_patches(series), Path(__file__).resolve(), *ext]
+
+
+def work_for(work: Path, series: str, flashinfer: str, inputs: list[Path] | None = None) -> Path:
+    """The builds and DeepGEMM kernel cache of one series at one state of its inputs, under
+    `work`. prepare_sources keeps a copy of the sources it finds, and DeepGEMM names a cached
+    kernel by its template arguments only, so a work dir kept on the machine across a changed
+    patch would time the patch as it was before (h200.sh keeps $S/work between its starts)."""
+    digest = hashlib.sha256(flashinfer.encode())
+    for f in build_inputs(series) if inputs is None else inputs:
+        digest.update(f"\0{f.name}\0".encode() + f.read_bytes())
+    return work / f"{series.replace('/', '-') or 'shipped'}-{digest.hexdigest()[:12]}"
 
 
 def prepare_sources(data: Path, work: Path, variant: str, series: str = "") -> Path:
@@ -1197,13 +1216,14 @@ def ab_cases(gpu, versions: dict, routings, token_list, bw: float, out_json: Pat
 
 def main() -> None:
     args = parse_args()
+    series = args.series.strip("/")
+    if not args.emulate_child:  # a child is given its parent's work dir
+        args.work = work_for(args.work, series, args.flashinfer.name)
     os.environ.setdefault("TRTLLM_DG_CACHE_DIR", str(args.work / "deepgemm"))
     os.environ.setdefault("TRTLLM_DG_NVCC_COMPILER", shutil.which("nvcc") or "nvcc")
-    series = args.series.strip("/")
-    if series:  # builds of another series live apart from the shipped series' builds
-        args.work = args.work / series.replace("/", "-")
     if args.emulate_child:
         return emulate_child(args)
+    log(f"builds and DeepGEMM kernels in {args.work}")
     args.out.mkdir(parents=True, exist_ok=True)
     args.work.mkdir(parents=True, exist_ok=True)
     os.environ.setdefault("MAX_JOBS", str(args.jobs))

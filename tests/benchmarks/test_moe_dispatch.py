@@ -129,6 +129,29 @@ def test_calibration_hooks_apply_to_the_patched_sources(tmp_path):
             assert run.deepgemm_dir(data, work, variant).endswith("tensorrt_llm")
 
 
+def test_a_changed_patch_gets_its_own_builds_and_kernel_cache(tmp_path):
+    """run.py keys its work dir (sources copied once, DeepGEMM's cache by template arguments) by
+    what the builds are made from: the same inputs find the same dir, a one-byte change to a
+    patch, another series or another FlashInfer tarball a new one."""
+    run = _run_py()
+    inputs = run.build_inputs("")
+    assert inputs[: len(run.series_patches(""))] == run.series_patches("")
+    assert HERE / "run.py" in inputs and HERE / "ext" / "deepgemm_setup.cu" in inputs
+    copies = [tmp_path / f.name for f in inputs]
+    for f, c in zip(inputs, copies, strict=True):
+        shutil.copy(f, c)
+    work = tmp_path / "work"
+    fi = "flashinfer-0.7.2.post1-src.tar.xz"
+    shipped = run.work_for(work, "", fi, copies)
+    assert shipped == run.work_for(work, "", fi) and shipped.parent == work
+    assert shipped.name.startswith("shipped-")
+    copies[1].write_bytes(copies[1].read_bytes() + b"\n")
+    assert run.work_for(work, "", fi, copies) != shipped
+    assert run.work_for(work, "", "flashinfer-0.7.4-src.tar.xz") != shipped
+    other = run.work_for(work, "candidates/graph-branches", fi)
+    assert other.name.startswith("candidates-graph-branches-") and other != shipped
+
+
 @pytest.mark.parametrize(
     "args, msg",
     [(["--routings", "uniform,zipff"], "unknown routing(s) zipff: choose from"),

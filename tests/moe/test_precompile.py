@@ -169,7 +169,8 @@ def test_precompile_writes_the_cubins_deepgemm_loads_and_keeps_them(installed_fi
     r = _cli(*args, **env)
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
-    assert (out["kernels"], out["compiled"], out["cached"], out["failed"]) == (2, 2, 0, 0)
+    assert (out["kernels"], out["compiled"], out["cached"], out["failed"], out["replaced"]) == (
+        2, 2, 0, 0, 0)  # fmt: skip
     cubins = sorted((tmp_path / "dg" / "cache").glob("*/nvcc_kernel.cubin"))
     assert [c.parent.name for c in cubins] == [
         "gemm_swapAB_4608_5120_128_16_128_384_8384_8_1_GroupedWithOffset",
@@ -179,6 +180,38 @@ def test_precompile_writes_the_cubins_deepgemm_loads_and_keeps_them(installed_fi
     assert not list((tmp_path / "dg").rglob("*.tmp-*"))
     again = json.loads(_cli(*args, **env).stdout)
     assert (again["compiled"], again["cached"]) == (0, 2)
+
+
+def test_a_cubin_from_other_sources_is_compiled_again_and_one_from_these_kept(tmp_path):
+    """DeepGEMM names a cached kernel by its template arguments only. A cubin under that name
+    built from other headers (an earlier patch series: another `sources` key), or left by
+    DeepGEMM's run-time build (no stamp), is compiled again and stamped; a stamped one from
+    the same sources is kept untouched."""
+    _need_nvcc()
+    src = tmp_path / "k.cu"
+    src.write_text('extern "C" __global__ void fp8_gemm_kernel_swapAB() {}\n')
+    kern = pc.Kernel("gemm_swapAB_1_2_128_16_128_50_550_5_1_GroupedWithOffset", src)
+    cache, entry = tmp_path / "cache", tmp_path / "cache" / kern.name
+
+    def once(sources: str) -> dict[str, list[str]]:
+        return pc.compile_kernels([kern], tmp_path, cache, jobs=1, sources=sources)
+
+    assert once("series-a") == {"compiled": [kern.name], "cached": [], "failed": [],
+                                "replaced": []}  # fmt: skip
+    built = (entry / pc.CUBIN).read_bytes()
+    assert b"fp8_gemm_kernel_swapAB" in built
+    assert (entry / pc.STAMP).read_text().strip() == pc.fingerprint(kern, "series-a")
+    assert once("series-a")["cached"] == [kern.name]
+    assert (entry / pc.CUBIN).read_bytes() == built
+    (entry / pc.CUBIN).write_bytes(b"an earlier series' kernel")
+    assert once("series-b")["replaced"] == [kern.name]
+    assert (entry / pc.CUBIN).read_bytes() == built
+    assert (entry / pc.STAMP).read_text().strip() == pc.fingerprint(kern, "series-b")
+    (entry / pc.STAMP).unlink()  # as DeepGEMM's own run-time build leaves its cubins
+    assert once("series-b")["replaced"] == [kern.name]
+    src.write_text(src.read_text() + "// the generated source changed\n")
+    assert once("series-b")["replaced"] == [kern.name]
+    assert sorted(p.name for p in entry.iterdir()) == sorted([pc.CUBIN, pc.STAMP])
 
 
 def test_precompile_refuses_bad_input_in_one_line(installed_fi, tmp_path):

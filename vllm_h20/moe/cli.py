@@ -354,9 +354,13 @@ def precompile(model: Path, ep_size: int, num_redundant_experts: int, data_paral
     compiles a kernel the first time it is launched (seconds each, with the engine waiting).
     This compiles the whole set for MODEL's MoE shapes (config.json), --ep-size,
     --num-sms and every step size up to --max-num-batched-tokens, in parallel, into the cache
-    DeepGEMM reads ($TRTLLM_DG_CACHE_DIR, else ~/.tensorrt_llm). Kernels already there are
-    kept; a cut run loses nothing. Runs on the GPU machine or, with --num-sms, any machine
-    with nvcc whose cache directory the servers will use. Exit 1 if a kernel failed."""
+    DeepGEMM reads ($TRTLLM_DG_CACHE_DIR, else ~/.tensorrt_llm). Kernels this compiled from the
+    same sources before are kept; a cut run loses nothing. A kernel there built from other
+    sources (another patch series, an earlier vllm-h20, FlashInfer's own headers, DeepGEMM's
+    own run-time build) is compiled again: DeepGEMM names a kernel by its template arguments
+    only, and would load that one in the fix's place. Runs on the GPU machine or, with
+    --num-sms, any machine with nvcc whose cache directory the servers will use. Exit 1 if a
+    kernel failed."""
     from . import precompile as pc
 
     try:

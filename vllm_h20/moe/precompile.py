@@ -58,6 +58,11 @@ SHIPPED_PLAN = re.compile(
 )
 SHIPPED_BOUNDS = ("kOneLaunchRows", "kNarrowRegularRows")
 CUBIN = "nvcc_kernel.cubin"  # kKernelName in runtime.cuh (nvcc mode, the only one it uses)
+# Beside a cubin this wrote: the fingerprint of what it was compiled from. DeepGEMM names a
+# kernel by its template arguments only, so a cubin built from other headers (another patch
+# series, an earlier vllm-h20, FlashInfer's own, DeepGEMM's run-time build) has the same name
+# and would be loaded in its place.
+STAMP = "vllm-h20-sources"
 
 PLANNER = r"""
 #include <algorithm>
@@ -333,21 +338,42 @@ def plan_kernels(
     return kernels
 
 
+def fingerprint(kern: Kernel, sources: str) -> str:
+    """What a kernel's cubin is compiled from: the headers' key (`sources`: the overlay's, its
+    FlashInfer release and patch series), the kernel's generated source and nvcc's flags."""
+    digest = hashlib.sha256(sources.encode())
+    digest.update(b"\0" + kern.source.read_bytes() + b"\0" + " ".join(NVCC_FLAGS).encode())
+    return digest.hexdigest()[:32]
+
+
+def current(entry: Path, stamp: str) -> bool:
+    """Whether a cache entry holds a cubin compiled from what `stamp` fingerprints."""
+    try:
+        return (entry / CUBIN).is_file() and (entry / STAMP).read_text().strip() == stamp
+    except OSError:
+        return False
+
+
 def compile_kernels(
     kernels: Iterable[Kernel],
     include: Path,
     cache: Path,
     jobs: int,
     on_done: Callable[[Kernel, str], None] = lambda k, status: None,
+    sources: str = "",
 ) -> dict[str, list[str]]:
-    """nvcc each kernel not yet in the cache, `jobs` at a time, each written into place
-    atomically as DeepGEMM does (a tmp file renamed), so a cut run leaves no half cubin.
-    Returns {"compiled": [...], "cached": [...], "failed": ["name: last error line", ...]}."""
+    """nvcc each kernel the cache lacks, or holds built from other sources (the STAMP beside its
+    cubin), `jobs` at a time, each written into place atomically as DeepGEMM does (a tmp file
+    renamed), so a cut run leaves no half cubin; its stamp follows it. Returns {"compiled":
+    [...], "cached": [...], "failed": ["name: last error line", ...], "replaced": [...]}, the
+    last the compiled ones whose cubin from other sources they replaced."""
     compiler = nvcc()
-    done: dict[str, list[str]] = {"compiled": [], "cached": [], "failed": []}
+    done: dict[str, list[str]] = {"compiled": [], "cached": [], "failed": [], "replaced": []}
     todo = []
+    stamps = {}
     for kern in kernels:
-        if (cache / kern.name / CUBIN).is_file():
+        stamps[kern.name] = fingerprint(kern, sources)
+        if current(cache / kern.name, stamps[kern.name]):
             done["cached"].append(kern.name)
             on_done(kern, "cached")
         else:
@@ -364,7 +390,13 @@ def compile_kernels(
             if not any(target.iterdir()):
                 target.rmdir()  # no empty entry left behind for this kernel
             return build.first_error(r.stderr + r.stdout)
+        if (target / CUBIN).is_file():
+            done["replaced"].append(kern.name)
+        (target / STAMP).unlink(missing_ok=True)  # cut between the two renames: rebuilt next run
         os.replace(tmp, target / CUBIN)
+        stamp_tmp = target / f".{STAMP}.tmp-{os.getpid()}"
+        stamp_tmp.write_text(stamps[kern.name] + "\n")
+        os.replace(stamp_tmp, target / STAMP)
         return None
 
     with ThreadPoolExecutor(max(1, jobs)) as ex:
@@ -412,10 +444,13 @@ def run(shape: MoeShape, num_sms: int, max_tokens: int, jobs: int | None, consol
                     "max_num_batched_tokens": max_tokens, "cache_dir": str(cache),
                     "kernels": len(kernels)}  # fmt: skip
     if dry_run:
-        cached = [k for k in kernels if (cache / k.name / CUBIN).is_file()]
+        cached = [k for k in kernels if current(cache / k.name, fingerprint(k, ov.key))]
+        other = [k for k in kernels if k not in cached and (cache / k.name / CUBIN).is_file()]
         console.print(f"{len(kernels)} DeepGEMM kernels for the fix ({len(cached)} already in "
-                      f"{cache}); nothing compiled (--dry-run)")  # fmt: skip
-        return result | {"cached": len(cached), "names": [k.name for k in kernels]}
+                      f"{cache}, {len(other)} there built from other sources); nothing compiled "
+                      "(--dry-run)")  # fmt: skip
+        return result | {"cached": len(cached), "other_sources": len(other),
+                         "names": [k.name for k in kernels]}  # fmt: skip
     t0 = time.monotonic()
     with step_progress(console) as bar:
         task = bar.add_task("DeepGEMM kernels", total=len(kernels), current="")
@@ -423,11 +458,16 @@ def run(shape: MoeShape, num_sms: int, max_tokens: int, jobs: int | None, consol
         def on_done(k: Kernel, status: str) -> None:
             bar.update(task, advance=1, current=f"{status} {k.name}")
 
-        out = compile_kernels(kernels, include, cache, jobs or os.cpu_count() or 1, on_done)
+        out = compile_kernels(kernels, include, cache, jobs or os.cpu_count() or 1, on_done,
+                              sources=ov.key)  # fmt: skip
     n = {k: len(v) for k, v in out.items()}
     seconds = round(time.monotonic() - t0, 1)
-    console.print(f"DeepGEMM kernels for the fix: {n['compiled']} compiled, {n['cached']} already "
-                  f"cached, {n['failed']} failed, in {seconds:.0f} s -> {cache}")  # fmt: skip
+    replaced = (
+        f" ({n['replaced']} replacing cubins built from other sources)" if n["replaced"] else ""
+    )
+    console.print(f"DeepGEMM kernels for the fix: {n['compiled']} compiled{replaced}, "
+                  f"{n['cached']} already cached, {n['failed']} failed, in {seconds:.0f} s -> "
+                  f"{cache}")  # fmt: skip
     for line in out["failed"][:3]:
         console.print(f"  failed: {line}")
     return result | n | {"failed_kernels": out["failed"], "seconds": seconds}
