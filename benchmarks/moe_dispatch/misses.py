@@ -28,7 +28,7 @@ PASS_ROWS = 16  # the calibration's one-pass swap-A/B tile: every expert 16 rows
 class RankPlan:
     """One GEMM of one rank under the hot-first plan (model.launch_kind)."""
 
-    kind: str  # model.ONE_SWAP_AB, model.ONE_REGULAR or model.SPLIT
+    kind: str  # one "swap_ab" or "regular" launch, or model.SPLIT (two, one per class)
     m: int  # rows the (cold) swap-A/B or the one launch's tiles are sized for
     boundary: int  # experts with 1..boundary rows are the cold class (split)
     tile: int  # rows of the cold class's (or the one launch's) swap-A/B tile; 0: regular
@@ -80,19 +80,12 @@ def emulation_cause(case: dict, plan: RankPlan, price: float) -> str:
     if plan.kind != model.SPLIT:
         tokens, n = case["tokens"], cases.SHAPES[0].n
         stock = model.path_of(tokens, H20_SMS)
-        same = (
-            plan.kind == stock
-            and plan.m == tokens
-            or (
-                plan.kind == stock == "swap_ab"
-                and plan.tile == model.tile_rows("swap_ab", tokens, n, H20_SMS, cases.LOCAL)
+        ours = plan.tile or model.tile_rows("regular", plan.m, n, H20_SMS)
+        if plan.kind == stock and ours == model.tile_rows(stock, tokens, n, H20_SMS):
+            return (
+                "one launch of stock's own kernel and tile: nothing of the plan differs from stock"
             )
-        )
-        return (
-            "one launch of stock's own kernel and tile: nothing of the plan differs from stock"
-            if same
-            else f"one {plan.kind} launch sized for {plan.m} rows"
-        )
+        return f"one {plan.kind} launch sized for {plan.m} rows"
     if not plan.cold:
         return "every expert of this rank is hot: its swap-A/B launch is empty, a fixed cost"
     if plan.passes > price:
