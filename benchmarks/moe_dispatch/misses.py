@@ -16,8 +16,6 @@ import cases
 import model
 import numpy as np
 
-from vllm_h20.moe.expected_m import per_expert_expected_m
-
 BAR = 0.98
 H20_SMS = 78
 REGULAR_TILE = 128  # the regular kernel's row tile above 64 rows
@@ -185,17 +183,11 @@ class Charged:
 
 def fc1_terms(counts: np.ndarray, tokens: int, version: str) -> list[tuple[float, float, float]]:
     """FC1's (weight bytes, re-read bytes, padded MMA flops) per launch of one rank."""
-    fc1 = cases.SHAPES[0]
     if version in ("stock", "avg"):
         return [model.rank_terms(counts, tokens, version, H20_SMS)[1][0]]
-    plan = rank_plan(counts, tokens, fc1)
-    if plan.kind != model.SPLIT:
-        return [model.gemm_terms(counts, fc1, plan.m, plan.kind, H20_SMS)]
-    cold = np.where(counts <= plan.boundary, counts, 0)
-    return [  # the hot class's launch first, as the plan issues them
-        model.gemm_terms(counts - cold, fc1, tokens, "regular", H20_SMS),
-        model.gemm_terms(cold, fc1, plan.m, "swap_ab", H20_SMS),
-    ]
+    plan = model.row_class_launches(counts, tokens, H20_SMS, hot_first=True,
+                                    shapes=cases.SHAPES[:1])  # fmt: skip
+    return [term for _, (term,) in plan]
 
 
 def charged(fits: dict, counts: np.ndarray, tokens: int, version: str) -> Charged:
@@ -206,9 +198,9 @@ def charged(fits: dict, counts: np.ndarray, tokens: int, version: str) -> Charge
     c0 = mma = mem = 0.0
     for p, terms in plan:
         f = fits[p]
-        for b, rb, fl in terms:
+        for term in terms:
             c0 += f.c0
-            m, x = (b + f.r * rb) / f.bw, fl / f.tc
+            m, x = f.times(term)
             mma += x if x >= m else 0.0
             mem += m if m > x else 0.0
     fc1 = cases.SHAPES[0]
@@ -257,9 +249,7 @@ def padding(rows, tile: int) -> int:
 
 def one_launch_tile(tokens: int, version: str) -> tuple[str, int]:
     """(kernel, row tile) of FC1's one launch in stock or average-only."""
-    m = tokens if version == "stock" else per_expert_expected_m(tokens, cases.TOP_K, cases.LOCAL,
-                                                                 cases.EP)  # fmt: skip
-    path = model.path_of(m, H20_SMS)
+    m, path = model.single_launch(tokens, version, H20_SMS)
     return path, model.tile_rows(path, m, cases.SHAPES[0].n, H20_SMS, cases.LOCAL)
 
 

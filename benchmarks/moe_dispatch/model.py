@@ -70,8 +70,13 @@ class Fit:
     c0: float  # seconds per GEMM
     r: float  # share of weight re-reads that reach HBM
 
+    def times(self, term) -> tuple[float, float]:
+        """(weight-streaming seconds, MMA seconds) of one GEMM's (bytes, re-read bytes, flops)."""
+        b, rb, f = term
+        return (b + self.r * rb) / self.bw, f / self.tc
+
     def predict(self, terms) -> float:
-        return sum(self.c0 + max((b + self.r * rb) / self.bw, f / self.tc) for b, rb, f in terms)
+        return sum(self.c0 + max(self.times(t)) for t in terms)
 
 
 def _arrays(samples):
@@ -125,14 +130,19 @@ class Device:
 H20 = Device("H20", 78, 296.0, 4.0)
 
 
-def rank_terms(counts, tokens: int, version: str, sms: int, threshold: int | None = None):
-    """The two GEMMs one rank issues, as (path, terms) for the stock or the avg estimate."""
+def single_launch(tokens: int, version: str, sms: int, threshold: int | None = None):
+    """(m, path) of the one launch per GEMM of stock (m: the token count) or the avg estimate."""
     m = (
         tokens
         if version == "stock"
         else per_expert_expected_m(tokens, cases.TOP_K, cases.LOCAL, cases.EP)
     )
-    path = path_of(m, sms, threshold)
+    return m, path_of(m, sms, threshold)
+
+
+def rank_terms(counts, tokens: int, version: str, sms: int, threshold: int | None = None):
+    """The two GEMMs one rank issues, as (path, terms) for the stock or the avg estimate."""
+    m, path = single_launch(tokens, version, sms, threshold)
     return path, [gemm_terms(counts, s, m, path, sms) for s in cases.SHAPES]
 
 
@@ -236,7 +246,8 @@ def launch_kind(tokens: int, shape, sms: int, groups: int = cases.LOCAL,
 
 
 def row_class_launches(counts, tokens: int, sms: int, hot_first: bool, one_launch: bool = False,
-                       branch: bool = False) -> list[tuple[str, list]]:  # fmt: skip
+                       branch: bool = False,
+                       shapes=cases.SHAPES) -> list[tuple[str, list]]:  # fmt: skip
     """The two-class plans per GEMM (each launch pays its c0, empty or not): one swap-A/B launch
     when every expert fits one tile, else a swap-A/B launch for the experts with 1..boundary
     rows and a regular one for the rest. hot_first=False: the whole-expert-tile series
@@ -247,9 +258,9 @@ def row_class_launches(counts, tokens: int, sms: int, hot_first: bool, one_launc
     candidates/one-launch, whose split is one launch where both kernels have 128-row weight tiles
     (above 64 tokens: the regular kernel's row tile is 128; every V4.1-Flash N is above 64).
     branch (with hot_first): candidates/graph-branches, whose split's cold launch is a parallel
-    branch of the CUDA graph (IN_BRANCH)."""
+    branch of the CUDA graph (IN_BRANCH). shapes: the GEMMs, in order (both by default)."""
     out = []
-    for s in cases.SHAPES:
+    for s in shapes:
         kind, m, boundary = launch_kind(tokens, s, sms, len(counts), hot_first)
         if kind != SPLIT:
             out.append((kind, [gemm_terms(counts, s, m, kind, sms)]))
