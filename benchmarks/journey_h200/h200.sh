@@ -6,7 +6,9 @@
 #
 #   h200.sh v4release       a synthetic DeepSeek-V4 release (vllm-h20 synth --preset v4-h200
 #                           --layout v4; 21.6 GB in $V4REL: /dev/shm if it has room, the
-#                           disk holds the conversion) with serve_h200's byte-level tokenizer
+#                           disk holds the conversion) with serve_h200's byte-level tokenizer;
+#                           V4LAYERS=4: four MoE layers (27.6 GB released, 51 GB converted:
+#                           the most the 64 GB disk holds), the decision's model
 #   h200.sh v4convert       vllm-h20 convert + verify it into $SH/v4/converted (timed;
 #                           V4VERIFY=0: no verify)
 #   h200.sh v4prep          v4release + v4convert in the background (right after boot: they
@@ -44,7 +46,8 @@ v4release)
         rm -rf "$V4REL"
         s0=$(date +%s)
         # 8 shards: convert works on one shard per process (8 at most).
-        vllm-h20 synth "$V4REL" --preset "${V4PRESET:-v4-h200}" --layout v4 --shards 8 || exit 1
+        vllm-h20 synth "$V4REL" --preset "${V4PRESET:-v4-h200}" --layout v4 --shards 8 \
+            ${V4LAYERS:+--layers "$V4LAYERS"} || exit 1
         # GuideLLM sizes prompts with the model's tokenizer: a byte-level BPE, not synth's stub.
         python3 -c "import sys; sys.path.insert(0, 'benchmarks/serve_h200'); from pathlib import Path; \
 from make_model import write_tokenizer; write_tokenizer(Path('$V4REL'))" || exit 1

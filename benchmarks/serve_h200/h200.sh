@@ -4,6 +4,7 @@
 #
 #   h200.sh boot            install FlashInfer + vllm-h20 from .stage/boot.tar; start building
 #                           both reduced modules (fix + stock) in the background
+#                           (BUILD_DISPATCH=per_expert: the fix's alone)
 #   h200.sh take            move carried .stage/piece-* into $SH/pieces (one per device call)
 #   h200.sh install         join the pieces, install vLLM 0.26.0 + its wheels into $SITE
 #   h200.sh weights         generate a random checkpoint with real magnitudes into the
@@ -83,7 +84,7 @@ boot)
         done
         rm -f "$SH/build.pid"
         setsid bash -c "echo \$\$ > $SH/build.pid
-            { vllm-h20 kernels build --dispatch both --json > $SH/build.json$extra; } \
+            { vllm-h20 kernels build --dispatch ${BUILD_DISPATCH:-both} --json > $SH/build.json$extra; } \
             2> $SH/logs/build.log && touch $SH/build.done" < /dev/null > /dev/null 2>&1 &
         for _ in $(seq 50); do [ -f "$SH/build.pid" ] && break; sleep 0.1; done
     fi

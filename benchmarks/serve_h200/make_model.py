@@ -18,7 +18,7 @@ The router (`--router`): `trained` (default from round 5) is DeepSeek-V3's auxil
 gate as Kimi-K2 runs it with 384 experts (`noaux_tc`: sigmoid scores, top-6 of score + a
 per-expert `e_score_correction_bias`, one group), the bias fitted so that each layer's expert
 loads follow the only per-expert load table DeepSeek has published (the EPLB example,
-`cases.EPLB_EXAMPLE_LOADS`: hottest expert ~2.1x the mean, coefficient of variation ~0.6);
+`vllm_h20.convert.router`: hottest expert ~2.1x the mean, coefficient of variation ~0.6);
 `random`: rounds 2-4's softmax top-6 of a random gate (nearly uniform loads).
 
     python benchmarks/serve_h200/make_model.py .stage/model
@@ -29,13 +29,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "moe_dispatch"))
-from cases import EPLB_EXAMPLE_LOADS  # noqa: E402
+from vllm_h20.convert.router import fit_router_bias, target_loads
 
 # V4.1-Flash's routed-expert shapes (the `flash` preset of vllm_h20/convert/synth.py): what
 # the MoE GEMMs see.
@@ -174,42 +172,6 @@ def layer_tensors(cfg: dict, i: int) -> list[tuple[str, tuple[int, ...], str]]:
     for e in range(cfg["n_routed_experts"]):
         t += mlp(f"{p}mlp.experts.{e}.", cfg["moe_intermediate_size"])
     return t
-
-
-def target_loads(experts: int, seed: int) -> np.ndarray:
-    """Each expert's share of the routed rows (mean 1), drawn from EPLB_EXAMPLE_LOADS (each of
-    its two layers normalized to mean 1); a seed per layer, so each layer has its own hot ones."""
-    loads = np.concatenate([np.asarray(r, float) / np.mean(r) for r in EPLB_EXAMPLE_LOADS])
-    pick = np.random.default_rng(seed).choice(loads, experts)
-    return pick / pick.mean()
-
-
-def expert_shares(bias: np.ndarray, top_k: int, logits: np.ndarray) -> np.ndarray:
-    """Each expert's share of the rows (mean 1) when tokens with these router logits pick the
-    top-k of sigmoid(logit) + bias, as DeepSeek-V3's noaux_tc gate does."""
-    score = 1.0 / (1.0 + np.exp(-logits)) + bias.astype(np.float32)
-    top = np.argpartition(-score, top_k, axis=1)[:, :top_k]
-    counts = np.bincount(top.ravel(), minlength=logits.shape[1])
-    return counts * logits.shape[1] / (top_k * logits.shape[0])
-
-
-def fit_router_bias(loads: np.ndarray, top_k: int, tokens: int = 8192, iters: int = 200,
-                    seed: int = 0) -> np.ndarray:  # fmt: skip
-    """The e_score_correction_bias under which the generated router's loads follow `loads`.
-
-    A token's router logits are ~ N(0, 1) and independent across experts here (unit-variance
-    hidden state through a gate of std 1/sqrt(hidden)); each step moves every expert's bias by
-    a damped, clipped log-ratio of its target to its share on sampled logits, the kind of update
-    DeepSeek-V3's training applies to the same bias."""
-    experts = loads.shape[0]
-    logits = np.random.default_rng(seed).standard_normal((tokens, experts), dtype=np.float32)
-    bias = np.zeros(experts)
-    floor = 0.5 * experts / (top_k * tokens)  # half a row: an unpicked expert's log is finite
-    for _ in range(iters):
-        got = expert_shares(bias, top_k, logits)
-        bias += 0.02 * np.clip(np.log(loads) - np.log(np.maximum(got, floor)), -2.0, 2.0)
-        bias -= bias.mean()
-    return bias
 
 
 def shard_tensors(cfg: dict, i: int) -> list[tuple[str, tuple[int, ...], str]]:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -255,3 +256,81 @@ def test_humming_moved_between_leases_as_much_as_release_and_conversion_differ(c
     a, b = (json.loads(f.read_text()) for f in files)
     assert {r["max_abs_diff"] for r in drift.drift(a, b, "v4fix")} == {0.0}
     assert drift.main([*map(str, files), "--server", "v4stock"]) == 1
+
+
+def _decision_lease(root: Path, name: str, gpu: str, runs: dict, compile_at: float | None = None):
+    """A lease folder as report.py renders it: one decision-decode sweep, `runs` mapping
+    (server, tier) to per-run throughputs, nvidia-smi.txt naming the GPU, and a Triton cache
+    listing with one compile at `compile_at` (epoch seconds) if given."""
+    lease = root / name
+    sweep = lease / "sweeps" / "decision-decode-l1"
+    t = 1796205600.0  # 2026-12-02 10:00:00 UTC
+    for (server, tier), values in runs.items():
+        d = sweep / "runs" / server
+        d.mkdir(parents=True, exist_ok=True)
+        for i, v in enumerate(values):
+            (d / f"c{tier}-r{i}.json").write_text(json.dumps({
+                "target": server, "concurrency": tier, "run": i, "status": "ok",
+                "throughput": v, "started": t, "finished": t + 40}))  # fmt: skip
+            t += 60
+    spec = {"name": "decision-decode", "throughput": "output"}
+    (sweep / "sweep.json").write_text(json.dumps({"spec": spec}))
+    logs = lease / "logs"
+    logs.mkdir(parents=True)
+    (logs / "nvidia-smi.txt").write_text(f"|   0  NVIDIA {gpu}   On |\n")
+    stamp = (
+        "" if compile_at is None else time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(compile_at))
+    )
+    (logs / "triton-cache.txt").write_text(f"{stamp} 12 H/k.json\n" if stamp else "")
+    return lease
+
+
+def test_decision_pairs_arms_run_by_run_and_says_which_to_pick(tmp_path, capsys):
+    """fp8_fix beats Humming by 20-30 % in every pair at c64 (resolved), ties at c128 (pairs go
+    both ways: not resolved); a run during which a kernel compiled is left out and listed; the
+    rows carry the keys the issue names; the table quotes the seed's 8xH20 numbers."""
+    dec = _load("decision")
+    lease = _decision_lease(tmp_path, "l1", "H200", {
+        ("v4hum", 64): [1000, 1010, 990, 1005, 995],
+        ("v4fix", 64): [1250, 1260, 1220, 1300, 1230],
+        ("v4hum", 128): [2000, 2100, 1900, 2050, 1950],
+        ("v4fix", 128): [2100, 1950, 2000, 1900, 2080],
+    }, compile_at=1796205600.0 + 60 * 19 + 10)  # fmt: skip  # the last c128 fix run
+    out = tmp_path / "out"
+    assert dec.main([str(lease), "--out", str(out)]) == 0
+    rows = json.loads((out / "decision.json").read_text())
+    keys = {"workload", "concurrency", "arm", "n", "mean", "ci_low", "ci_high", "unit"}
+    assert all(keys <= set(r) for r in rows)
+    by = {(r["concurrency"], r["arm"]): r for r in rows}
+    assert by[(64, "fp8_fix")]["n"] == 5 and by[(128, "fp8_fix")]["n"] == 4
+    assert by[(64, "fp8_fix")]["mean"] == pytest.approx(1252)
+    lo, hi = by[(64, "humming_w4a8")]["ci_low"], by[(64, "humming_w4a8")]["ci_high"]
+    assert lo < 1000 < hi and by[(64, "humming_w4a8")]["unit"] == "output tok/s"
+    doc = json.loads((out / "ratios.json").read_text())
+    r = {(x["concurrency"], x["arm"], x["baseline"]): x for x in doc["ratios"]}
+    assert r[(64, "fp8_fix", "humming_w4a8")]["verdict"] == "fp8_fix"
+    assert r[(64, "fp8_fix", "humming_w4a8")]["ci_low"] > 1.2
+    assert r[(128, "fp8_fix", "humming_w4a8")]["verdict"] == "not resolved"
+    assert r[(128, "fp8_fix", "humming_w4a8")]["n"] == 4
+    [left] = doc["excluded"]
+    assert (left["arm"], left["concurrency"], left["run"]) == ("fp8_fix", 128, 4)
+    assert "1 kernel(s) compiled while it ran" in left["why"]
+    md = (out / "decision.md").read_text()
+    assert "| c64 | 1,000 [" in md and "2,507 -> 4,214 (+68.1 %)" in md
+    assert "| fp8_fix |" in md and "not resolved |" in md
+
+
+def test_decision_refuses_what_it_cannot_decide_from(tmp_path, capsys):
+    dec = _load("decision")
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert dec.main([str(empty), "--out", str(tmp_path / "o")]) == 2
+    assert "no sweeps/*/sweep.json" in capsys.readouterr().err
+    a = _decision_lease(tmp_path, "a", "H200", {("v4hum", 64): [1, 2], ("v4fix", 64): [2, 3]})
+    b = _decision_lease(tmp_path, "b", "H100", {("v4hum", 64): [1, 2]})
+    assert dec.main([str(a), str(b), "--out", str(tmp_path / "o")]) == 2
+    assert "decode c64: runs from H100 and H200 do not pool" in capsys.readouterr().err
+    c = _decision_lease(tmp_path, "c", "H200", {("mystery", 64): [1, 2]})
+    assert dec.main([str(c), "--out", str(tmp_path / "o")]) == 2
+    assert "server 'mystery' is no arm of the decision" in capsys.readouterr().err
+    assert not (tmp_path / "o").exists()

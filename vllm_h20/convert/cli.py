@@ -206,6 +206,14 @@ _spread_opt = click.option(
 )
 @click.option("--shards", type=click.IntRange(min=1), default=4, show_default=True)
 @_spread_opt
+@click.option(
+    "--router",
+    type=click.Choice(["trained", "random"]),
+    default="trained",
+    show_default=True,
+    help="trained: each layer's gate bias fitted so expert loads follow DeepSeek's published "
+    "EPLB example (a few hot, a few cold experts); random: near-uniform routing.",
+)
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--sparse", is_flag=True, help="Write headers only (sparse files of full size).")
 @click.option(
@@ -214,7 +222,7 @@ _spread_opt = click.option(
     help="Write what `vllm-h20 convert` would make of it (FP8 layout), headers only: a "
     "full-size served checkpoint for `plan` and `serve --dry-run`.",
 )
-def synth(dst, preset, layers, experts, layout, shards, spread, seed, sparse, converted):
+def synth(dst, preset, layers, experts, layout, shards, spread, router, seed, sparse, converted):
     """Write a synthetic checkpoint in the DeepSeek-V4.1-Flash release layout to DST."""
     from .synth import generate, generate_converted, scaled
 
@@ -227,7 +235,14 @@ def synth(dst, preset, layers, experts, layout, shards, spread, seed, sparse, co
                    f"{info['bytes'] / 2**30:.2f} GiB, to {dst}")  # fmt: skip
         return
     info = generate(
-        dst, shape, layout=layout, shards=shards, spread=spread, seed=seed, sparse=sparse
+        dst,
+        shape,
+        layout=layout,
+        shards=shards,
+        spread=spread,
+        seed=seed,
+        sparse=sparse,
+        router=router,
     )
     click.echo(
         f"wrote {info['tensors']:,} tensors in {info['shards']} shard(s), "

@@ -11,6 +11,7 @@ E4M3 after re-blocking, beyond that some blocks cannot be held exactly.
 from __future__ import annotations
 
 import json
+import zlib
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -18,6 +19,7 @@ from pathlib import Path
 import ml_dtypes
 import numpy as np
 
+from .router import fit_router_bias, target_loads
 from .safetensors_io import ShardWriter, tensor_nbytes
 
 
@@ -52,6 +54,9 @@ class ModelShape:
     hash_layers: int = 1
     sliding_window: int = 128
     index_topk: int = 512
+
+
+ROUTERS = ("trained", "random")
 
 
 def v4_compress_ratios(s: ModelShape) -> list[int]:
@@ -310,7 +315,9 @@ def _block(
     if v4_layer is not None and 0 <= v4_layer < s.hash_layers:
         e += [(f"{f}.gate.tid2eid", "I32", (s.vocab, s.top_k), f"tid2eid:{experts}")]
     else:
-        e += [(f"{f}.gate.bias", "F32", (experts,), "f32")]
+        # The fitted correction bias (`_Data.make`): trained-like loads, a seed per block.
+        seed, top_k = zlib.crc32(prefix.encode()), s.top_k if experts == s.experts else s.mtp_top_k
+        e += [(f"{f}.gate.bias", "F32", (experts,), f"router:{top_k}:{h}:{seed}")]
     e += _fp8_linear(f"{f}.shared_experts.w1", s.shared_inter, h, block)
     e += _fp8_linear(f"{f}.shared_experts.w2", h, s.shared_inter, block)
     e += _fp8_linear(f"{f}.shared_experts.w3", s.shared_inter, h, block)
@@ -365,11 +372,13 @@ _CODE_RMS = {"fp4": 2.93, "fp8": 64.0}
 
 
 class _Data:
-    """Deterministic tensor contents; expert codes uniform, FP8 values Gaussian."""
+    """Deterministic tensor contents; expert codes uniform, FP8 values Gaussian; router biases
+    fitted to trained-like loads (`router="trained"`) or small noise (`"random"`)."""
 
-    def __init__(self, seed: int, spread: int):
+    def __init__(self, seed: int, spread: int, router: str = "trained"):
         self.rng = np.random.default_rng(seed)
         self.spread = spread
+        self.router = router
 
     def make(self, dtype: str, shape: tuple[int, ...], kind: str) -> np.ndarray:
         r, n = self.rng, int(np.prod(shape))
@@ -379,6 +388,20 @@ class _Data:
             experts = int(kind.split(":")[1])
             rows = np.argsort(r.random((shape[0], experts)), axis=1)[:, : shape[1]]
             return rows.astype(np.int32)
+        if kind.startswith("router:"):
+            if self.router == "random":
+                return (0.02 * r.standard_normal(n)).astype(np.float32).reshape(shape)
+            # The gate (bf16 rows of std 0.02, `bf16` below) on a unit-RMS normed hidden
+            # state: logits of std 0.02 * sqrt(hidden); V4's sqrt-softplus scores.
+            _, top_k, hidden, seed = kind.split(":")
+            bias = fit_router_bias(
+                target_loads(shape[0], seed=int(seed)),
+                int(top_k),
+                scoring="sqrtsoftplus",
+                logit_std=0.02 * float(hidden) ** 0.5,
+                seed=int(seed),
+            )
+            return bias.astype(np.float32).reshape(shape)
         if kind.startswith("e8m0:"):
             # Centred so the dequantized weight has std ~1/sqrt(fan-in), as trained weights
             # roughly do (a served model then has token-dependent routing and real logits);
@@ -476,14 +499,19 @@ def generate(
     spread: int = 4,
     seed: int = 0,
     sparse: bool = False,
+    router: str = "trained",
 ) -> dict:
-    """Write a checkpoint to ``dst`` (created, must be empty or missing); return a summary."""
+    """Write a checkpoint to ``dst`` (created, must be empty or missing); return a summary.
+    ``router``: trained (gate biases fitted to DeepSeek's published example loads) or random
+    (near-uniform routing)."""
     if layout not in ("v41", "v4"):
         raise ValueError(f"layout must be v41 or v4, not {layout!r}")
+    if router not in ROUTERS:
+        raise ValueError(f"router must be one of {', '.join(ROUTERS)}, not {router!r}")
     dst = Path(dst)
     dst.mkdir(parents=True, exist_ok=True)
     entries = inventory(shape, layout)
-    data = _Data(seed, spread)
+    data = _Data(seed, spread, router)
     parts = [p for p in _split(entries, shards) if p]
     n = len(parts)
     weight_map, total = {}, 0
@@ -517,6 +545,7 @@ def generate(
         "layout": layout,
         "spread": spread,
         "sparse": sparse,
+        "router": router,
     }
 
 
