@@ -7,7 +7,7 @@
 #       -v /models:/models vllm-h20 deepseek-v41-flash-fp8-tp8ep8 --model /models/V4.1-Flash-FP8
 #
 # Not built in CI (no Docker engine there): CI lints this file with hadolint.
-FROM vllm/vllm-openai:v0.33.0
+FROM vllm/vllm-openai:v0.34.0
 
 # Which SM90 fused-MoE variant to prebuild: h20 (FlashInfer's 78-SM variant) or generic
 # (H100/H200). The build runs on the CPU: no GPU is needed. Add `--dispatch both` to the
@@ -28,10 +28,15 @@ COPY conversion /opt/vllm-h20/src/conversion
 COPY patches /opt/vllm-h20/src/patches
 COPY recipes /opt/vllm-h20/src/recipes
 
-# vllm-h20 depends on neither torch nor vLLM, so this leaves the image's vLLM 0.33.0 and its
-# pins (torch, FlashInfer 0.7.2.post1) alone and adds only what is missing (numpy, ml_dtypes,
-# pyyaml, click, rich).
+# vllm-h20 depends on neither torch nor vLLM, so this leaves the image's vLLM 0.34.0 and its
+# torch and FlashInfer alone and adds only what is missing (numpy, ml_dtypes, pyyaml, click,
+# rich). Which FlashInfer the image ships was not checked here (the image was not pulled): vLLM
+# 0.34.0 pins 0.7.3, which PyPI does not serve. `kernels status` prints the installed one and
+# the rule that covers it (0.7.3 lies between the tested 0.7.2.post1 and 0.7.4), and exits 1
+# when vLLM would run FlashInfer's own kernel choice; `patches check` fails the build when the
+# series does not apply to the image's sources: either way no image ships a silent stock.
 RUN pip install --no-cache-dir /opt/vllm-h20/src \
+    && vllm-h20 kernels status \
     && vllm-h20 patches check \
     && vllm-h20 kernels build --variant "${KERNEL_VARIANT}" -j "${MAX_JOBS}" \
     && chmod -R a+rX /opt/vllm-h20

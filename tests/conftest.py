@@ -9,6 +9,20 @@ import pytest
 
 from vllm_h20.convert.synth import PRESETS, generate
 
+# The vLLM releases the suite runs against: README's test command installs the last (CI's);
+# the one before still passes locally (`pip install vllm==0.33.0`).
+TESTED_VLLM = ("0.33.0", "0.34.0")
+
+
+def installed_vllm() -> str | None:
+    """The installed vLLM's version, without importing it (tests compare messages to it)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("vllm")
+    except PackageNotFoundError:
+        return None
+
 
 @pytest.fixture(scope="session")
 def tiny_src(tmp_path_factory) -> Path:

@@ -3,7 +3,9 @@
 vLLM calls `register()` in the API server, the engine core and every worker before model code
 runs. It imports only the standard library and our small `moe` modules, logs one line, and
 defers all FlashInfer work to FlashInfer's own first fused-MoE build. `VLLM_PLUGINS` (vLLM's
-allowlist) disables it; `VLLM_H20_MOE_DISPATCH=stock` keeps it loaded but hands-off;
+allowlist) disables it; `VLLM_H20_MOE_DISPATCH=stock` runs the reduced module built from
+FlashInfer's unpatched sources (the A/B baseline; with `VLLM_H20_MOE_MODULE=full`, FlashInfer's
+own module, untouched);
 `VLLM_H20_STEP_TIMES=DIR` also logs each engine step's GPU time (serve/steptimes.py).
 """
 
@@ -34,6 +36,8 @@ def register() -> None:
         try:
             steptimes.install(step_times)
             logger.info("vllm-h20: logging each step's GPU time to %s", step_times)
+        except steptimes.HookMissing as e:  # asked for, impossible here: an error, not a hint
+            logger.error("vllm-h20: VLLM_H20_STEP_TIMES=%s: %s", step_times, e)
         except (ImportError, AttributeError, OSError) as e:  # a diagnostic never stops serving
             logger.warning("vllm-h20: VLLM_H20_STEP_TIMES=%s: step times not logged (%s)",
                            step_times, e)  # fmt: skip

@@ -40,7 +40,7 @@ def _flashinfer_data(tmp_path: Path, *subs: str):
     from vllm_h20.moe import flashinfer_src
 
     if importlib.util.find_spec("flashinfer") is None:
-        pytest.skip("FlashInfer is not installed (CI installs it with vLLM 0.33.0)")
+        pytest.skip("FlashInfer is not installed (CI installs it with vLLM 0.34.0)")
     installed_fi = flashinfer_src.installed()
     data = tmp_path / "data"
     for sub in ("csrc/nv_internal", *subs):

@@ -1,4 +1,4 @@
-"""vLLM 0.33.0's own code accepts the converted checkpoint (CPU only, no model build).
+"""The installed vLLM's own code accepts the converted checkpoint (CPU only, no model build).
 
 Uses vLLM's DeepSeek-V4.1 weight-name mapper, its DSpark draft loader's scale rule, its
 fused-MoE expert mapping and its FP8 quant-config parsing. CI installs vLLM to run this.
@@ -11,13 +11,14 @@ import re
 
 import pytest
 
+from tests.conftest import TESTED_VLLM
 from vllm_h20.convert import rules
 from vllm_h20.convert.runner import Options, convert
 from vllm_h20.convert.safetensors_io import read_header
 from vllm_h20.convert.synth import PRESETS
 
 pytestmark = pytest.mark.vllm
-vllm = pytest.importorskip("vllm", reason="vLLM 0.33.0 is installed by .ci/run")
+vllm = pytest.importorskip("vllm", reason="vLLM is installed by .ci/run (0.34.0)")
 
 EXPERT = re.compile(r"\.experts\.\d+\.w[123]\.")
 
@@ -32,8 +33,8 @@ def converted(tiny_src, tmp_path_factory):
     return dst, tensors
 
 
-def test_version_is_the_pinned_one():
-    assert vllm.__version__.startswith("0.33.0")
+def test_version_is_one_the_suite_covers():
+    assert vllm.__version__ in TESTED_VLLM
 
 
 def test_quantization_config_parses_as_block_fp8_with_fp8_experts(converted, tiny_src):
@@ -114,3 +115,46 @@ def test_dspark_draft_expert_scales_load_as_float32_block_scales(converted):
             assert list(t.shape) == [-(-w.shape[0] // 128), -(-w.shape[1] // 128)]
             n += 1
     assert n == 3 * PRESETS["tiny"].mtp_layers * PRESETS["tiny"].mtp_experts
+
+
+def test_dspark_context_wkv_projection_loads_from_the_converted_draft(converted):
+    """vLLM 0.34's DSpark draft has a cross-layer `context_wkv_proj` (one FP8 block-scale linear
+    whose output is every draft layer's WKV) that its loader fills from `mtp.{i}.attn.wkv.*`:
+    each converted pair is picked up under that name with its layer as the shard, the scale
+    goes to the block-FP8 scale parameter (our block scales are float32 values), and the real
+    V4.1 head dim fills whole 128-row blocks, so the stacked shards' scales line up."""
+    from vllm.models.deepseek_v41.nvidia import dspark, model
+
+    dup = getattr(dspark, "_duplicate_context_wkv_weights", None)
+    if dup is None:
+        pytest.skip(f"vLLM {vllm.__version__}'s DSpark draft has no context_wkv_proj (0.34 on)")
+    import torch
+    from safetensors.torch import load_file
+
+    dst, tensors = converted
+    shape = PRESETS["tiny"]
+    wkv = sorted(n for n in tensors if re.fullmatch(r"mtp\.\d+\.attn\.wkv\.(weight|scale)", n))
+    assert len(wkv) == 2 * shape.mtp_layers
+    loaded = {}
+    for shard in sorted(dst.glob("*.safetensors")):
+        loaded |= {k: v for k, v in load_file(shard).items() if k in wkv}
+    out = list(dup(((n, loaded[n]) for n in wkv), shape.mtp_layers))
+    stacked = [(n, t) for n, t in out if n.startswith("context_wkv_proj.")]
+    assert sorted(n for n, _ in stacked) == sorted(
+        f"context_wkv_proj.{part}" for part in ("scale", "weight") for _ in range(shape.mtp_layers)
+    )
+    for name, t in stacked:
+        layer = t.shard_id
+        src = loaded[f"mtp.{layer}.attn.wkv.{name.split('.', 1)[1]}"]
+        assert torch.equal(t.view(torch.uint8), src.view(torch.uint8))
+        if name.endswith(".scale"):
+            assert t.dtype == torch.float32
+            w = loaded[f"mtp.{layer}.attn.wkv.weight"]
+            assert w.dtype == torch.float8_e4m3fn
+            assert list(t.shape) == [-(-w.shape[0] // 128), -(-w.shape[1] // 128)]
+    # The loader's rename (`.scale` -> the linear method's parameter): block FP8 for our config.
+    class _Cfg:
+        quant_config = type("Q", (), {"weight_block_size": [128, 128]})()
+
+    assert model._linear_scale_param_name(_Cfg(), "fp8") == "weight_scale_inv"
+    assert PRESETS["flash"].head_dim % 128 == 0

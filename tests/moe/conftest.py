@@ -1,6 +1,6 @@
 """FlashInfer source trees for the overlay and plugin tests.
 
-`installed_fi` is the FlashInfer vLLM 0.33.0 pins (CI installs it with vLLM); `fake_fi` builds a
+`installed_fi` is the FlashInfer installed with vLLM (CI: 0.7.4, with vLLM 0.34.0); `fake_fi` builds a
 small package tree holding only the files the patches touch, so tests can put it into any
 state (stock, already patched, fixed differently, conflicting)."""
 
@@ -18,7 +18,7 @@ from vllm_h20.moe import flashinfer_src, overlay
 @pytest.fixture(scope="session")
 def installed_fi() -> flashinfer_src.FlashInferSource:
     if importlib.util.find_spec("flashinfer") is None:
-        pytest.skip("FlashInfer is not installed (CI installs it with vLLM 0.33.0)")
+        pytest.skip("FlashInfer is not installed (CI installs it with vLLM 0.34.0)")
     return flashinfer_src.installed()
 
 

@@ -31,7 +31,7 @@ ROOT = Path(__file__).resolve().parents[2]
 def _build_versions() -> list[str]:
     """The releases whose reduced fix module the suite builds (nvcc, ~7 min each cold on 2
     cores): every supported one when VLLM_H20_TEST_RELEASES=all (.ci/run), else the installed
-    FlashInfer's (vLLM 0.33.0's pin), so a new user's first run stays short. `git am` and the
+    FlashInfer's (0.7.4 with vLLM 0.34.0), so a new user's first run stays short. `git am` and the
     candidate series are checked on every release either way."""
     if settings.choice("VLLM_H20_TEST_RELEASES") == "all":
         return VERSIONS

@@ -36,7 +36,7 @@ def test_assess_tells_the_four_states_apart(fake_fi, patches, state, expected):
 
 
 def test_installed_flashinfer_needs_the_patch(installed_fi, patches):
-    # vLLM 0.33.0 pins FlashInfer 0.7.2.post1, which has the bug.
+    # CI's FlashInfer (0.7.4 under vLLM 0.34.0; 0.7.2.post1 under 0.33.0) has the bug.
     assert overlay.assess(installed_fi, patches).state is FixState.NEEDS_PATCH
 
 

@@ -241,3 +241,22 @@ def test_deepgemm_reads_the_headers_of_the_modules_own_sources(jit_spec, install
     stock = installed_fi.root / "csrc" / "nv_internal" / "tensorrt_llm"
     assert found["stock"].resolve() == stock.resolve()
     assert "rows_in_class" not in (found["stock"] / "deep_gemm" / "scheduler.cuh").read_text()
+
+
+@pytest.mark.parametrize(
+    ("version", "ok"),
+    [("0.7.3", True), ("0.7.3.post1", True), ("0.7.2.post1", True), ("0.7.2", False),
+     ("0.7.3rc1", False), ("0.7.4.post1", False), ("0.7.5", False), ("0.6.15", False)],
+)  # fmt: skip
+def test_a_release_inside_a_tested_range_gets_the_fix(fake_fi, patches, version, ok):
+    """vLLM 0.34 pins FlashInfer 0.7.3, which the index did not serve when this was written: it
+    lies between 0.7.2.post1 and 0.7.4, whose patched sources are byte-identical, so the version
+    rule supports it (the patches are still applied to its own sources); pre-releases and
+    releases outside the range stay stock, with the warning."""
+    assert dispatch.supported(version) is ok
+    d = dispatch.decide({}, src=fake_fi("stock", version=version))
+    assert d.per_expert is ok and d.warn is not ok
+    if not ok:
+        assert "any 0.7.2.post1-0.7.4" in d.message
+    elif version != "0.7.2.post1":
+        assert f"FlashInfer {version} (between the tested 0.7.2.post1 and 0.7.4)" in d.message

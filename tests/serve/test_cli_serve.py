@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import installed_vllm
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -56,7 +58,7 @@ def test_dockerfile_passes_hadolint():
     r = subprocess.run([hadolint, str(ROOT / "Dockerfile")], capture_output=True, text=True)
     assert r.returncode == 0, r.stdout + r.stderr
     text = (ROOT / "Dockerfile").read_text()
-    assert "FROM vllm/vllm-openai:v0.33.0" in text
+    assert "FROM vllm/vllm-openai:v0.34.0" in text
     assert "vllm-h20 kernels build" in text and 'ENTRYPOINT ["vllm-h20", "serve"]' in text
 
 
@@ -98,7 +100,7 @@ def test_two_node_recipes_pass_vllms_parser():
     pytest.importorskip("vllm")
     r = cli("recipe", "check", *TWO_NODE)
     assert r.returncode == 0, r.stderr
-    assert r.stdout.count("flags valid for vLLM 0.33.0") == 2
+    assert r.stdout.count(f"flags valid for vLLM {installed_vllm()}") == 2
 
 
 @pytest.mark.vllm

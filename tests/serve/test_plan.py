@@ -207,3 +207,24 @@ def test_two_nodes_of_the_full_size_flash_checkpoint(tmp_path_factory):
     assert big.kv_bytes - tp8dp2.kv_bytes == pytest.approx(
         (plan.GPUS["h20-141g"] - plan.GPUS["h20-96g"]) * 0.97, rel=1e-6
     )
+
+
+def test_vllm_034_defaults_fill_what_the_recipe_leaves_unset(tiny_fp8):
+    """vLLM 0.34 parses an unset EPLB replica count and memory share as None: the planner then
+    takes vLLM's own fills, the fewest replicas that spread the experts evenly (here 4 experts
+    over EP2 need none, over EP3 two) and 1.0 of the GPU with the extensible KV cache (its CUDA
+    default), CacheConfig's default share without it."""
+    assert [plan.auto_redundant(384, ep) for ep in (8, 16, 5, 7)] == [0, 0, 1, 1]
+    unset = _plan(tiny_fp8, num_redundant_experts=None, gpu_memory_utilization=None)
+    assert unset.slots_per_rank["main"] == 2  # 4 experts + 0 replicas over EP2
+    assert unset.budget == plan.GPUS["h200"]
+    off = _plan(tiny_fp8, gpu_memory_utilization=None, enable_extensible_kv_cache=False,
+                default_gpu_memory_utilization=0.92)  # fmt: skip
+    assert off.budget == int(plan.GPUS["h200"] * 0.92)
+    three = _plan(
+        tiny_fp8, tensor_parallel_size=1, data_parallel_size=3, num_redundant_experts=None
+    )
+    assert three.slots_per_rank["main"] == 2  # (4 + 2) / 3
+    assert (
+        _plan(tiny_fp8, enable_eplb=False, num_redundant_experts=None).slots_per_rank["main"] == 2
+    )

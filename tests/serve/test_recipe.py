@@ -82,3 +82,25 @@ def test_config_equals_form_in_extra_args_is_refused():
     with pytest.raises(RecipeError, match="vLLM ignores --config=FILE"):
         check.check_argv(["--port", "8001", "--config=x.yaml"])
     check.check_argv(["--port", "8001"])
+
+
+@pytest.mark.parametrize(
+    ("vllm", "refused"), [("0.33.0", False), ("0.34.0", True), ("0.34.1rc1", True), ("1.0", True)]
+)
+def test_deepep_v2_with_flashinfer_cutlass_is_refused_from_vllm_034(write_recipe, vllm, refused):
+    """vLLM 0.34 gives deepep_v2 padded activations, which FlashInfer CUTLASS refuses at
+    start-up; 0.33 gave it the standard layout. Another MoE backend is not ours to judge."""
+    text = (
+        "enable-expert-parallel: true\nmoe-backend: flashinfer_cutlass\n"
+        "all2all-backend: deepep_v2\n"
+    )
+    r = recipe.load(write_recipe(text))
+    check.conflicts(r)  # nothing wrong whatever vLLM parses it
+    if refused:
+        with pytest.raises(RecipeError, match=rf"r.yaml:3: all2all-backend: deepep_v2 hands the "
+                           rf"experts padded activations in vLLM {vllm}"):  # fmt: skip
+            check.version_conflicts(r, vllm)
+    else:
+        check.version_conflicts(r, vllm)
+    other = recipe.load(write_recipe(text.replace("flashinfer_cutlass", "triton")))
+    check.version_conflicts(other, vllm)

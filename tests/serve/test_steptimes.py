@@ -24,23 +24,25 @@ def test_read_merges_processes_in_time_order_and_skips_a_cut_line(tmp_path):
 
 
 @pytest.mark.vllm
-def test_install_wraps_the_model_runner_of_the_installed_vllm(tmp_path):
-    """The three methods exist under these names in vLLM's GPUModelRunner and are wrapped once;
-    the plugin installs the log only when VLLM_H20_STEP_TIMES is set."""
+def test_install_wraps_every_model_runner_of_the_installed_vllm(tmp_path):
+    """Each GPU model runner the installed vLLM has (V1 up to 0.33, V2 from 0.34) has the
+    methods under these names and is wrapped once; the plugin installs the log only when
+    VLLM_H20_STEP_TIMES is set."""
     pytest.importorskip("vllm")
     code = textwrap.dedent(f"""
         import json
         from pathlib import Path
-        from vllm.v1.worker.gpu_model_runner import GPUModelRunner as R
-        before = {{n: getattr(R, n) for n in ("execute_model", "_model_forward", "sample_tokens")}}
+        from vllm_h20.serve import steptimes
+        runners = steptimes.runner_classes()
+        names = ("execute_model", "_model_forward", "sample_tokens")
+        before = {{m: {{n: getattr(R, n, None) for n in names}} for m, R in runners.items()}}
         from vllm_h20 import plugin
         plugin.register()
-        after = {{n: getattr(R, n) for n in before}}
-        from vllm_h20.serve import steptimes
         print(json.dumps({{
-            "wrapped": sorted(n for n in before if after[n] is not before[n]),
+            "wrapped": {{m: sorted(n for n in names if getattr(R, n, None) is not before[m][n])
+                        for m, R in runners.items()}},
             "again": steptimes.install(Path({str(tmp_path)!r})),
-            "log": str(R._vllm_h20_step_log.path.parent),
+            "logs": sorted({{str(R._vllm_h20_step_log.path.parent) for R in runners.values()}}),
         }}))
     """)
     env = {k: v for k, v in os.environ.items() if not k.startswith("VLLM_H20_")}
@@ -49,8 +51,45 @@ def test_install_wraps_the_model_runner_of_the_installed_vllm(tmp_path):
                        timeout=600)  # fmt: skip
     assert r.returncode == 0, r.stderr[-2000:]
     out = json.loads(r.stdout.strip().splitlines()[-1])
-    assert out == {"wrapped": ["_model_forward", "execute_model", "sample_tokens"],
-                   "again": False, "log": str(tmp_path)}  # fmt: skip
+    v1, v2 = steptimes.RUNNERS
+    expect = {v1: ["_model_forward", "execute_model", "sample_tokens"],
+              v2: ["execute_model", "sample_tokens"]}  # fmt: skip
+    assert out["wrapped"] and all(out["wrapped"][m] == expect[m] for m in out["wrapped"])
+    assert out["again"] is False and out["logs"] == [str(tmp_path)]
+    from importlib.metadata import version
+
+    if version("vllm") >= "0.34":  # Model Runner V1 is gone in 0.34
+        assert list(out["wrapped"]) == [v2]
+
+
+@pytest.mark.vllm
+def test_a_vllm_without_a_known_runner_is_an_error_line(tmp_path):
+    """A vLLM whose runners moved again cannot be produced here: an import hook hides both
+    modules. The plugin logs one error naming the variable and what to do; serving goes on."""
+    pytest.importorskip("vllm")
+    code = textwrap.dedent("""
+        import sys
+        from importlib.abc import MetaPathFinder
+        from vllm_h20.serve import steptimes
+
+        class Hide(MetaPathFinder):
+            def find_spec(self, name, path=None, target=None):
+                if name in steptimes.RUNNERS:
+                    raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+
+        sys.meta_path.insert(0, Hide())
+        from vllm_h20 import plugin
+        plugin.register()
+        print("registered")
+    """)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("VLLM_H20_")}
+    env.update(VLLM_H20_STEP_TIMES=str(tmp_path / "steps"), VLLM_H20_MOE_DISPATCH="stock")
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                       timeout=600)  # fmt: skip
+    out = r.stdout + r.stderr
+    assert r.returncode == 0 and r.stdout.splitlines()[-1] == "registered", out[-2000:]
+    assert "step times cannot be logged with this vLLM" in out
+    assert "unset VLLM_H20_STEP_TIMES" in out and "Traceback" not in out
 
 
 @pytest.mark.vllm

@@ -470,7 +470,7 @@ def check(fi_path, do_compile, jobs, workdir, as_json) -> None:
     result: dict = {
         "flashinfer": src.version,
         "flashinfer_dir": str(src.package_dir),
-        "supported": src.version in dispatch.SUPPORTED,
+        "supported": dispatch.supported(src.version),
         "series": series,
         "patches": [f"{series}/{p.name}" for p in ps],
         "state": a.state.value,
@@ -489,7 +489,7 @@ def check(fi_path, do_compile, jobs, workdir, as_json) -> None:
         click.echo(f"{mark}: FlashInfer {src.version}: {a.state.value}: {a.detail} ({series})")
         if not result["supported"]:
             click.echo(
-                f"  note: vllm-h20 supports FlashInfer {', '.join(dispatch.SUPPORTED)}; the plugin "
+                f"  note: vllm-h20 supports FlashInfer {dispatch.supported_text()}; the plugin "
                 f"leaves {src.version} stock"
             )
         comp = result.get("compile", {})

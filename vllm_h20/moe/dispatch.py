@@ -20,6 +20,7 @@ under `patches/flashinfer/candidates/` instead of the shipped one.
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -50,8 +51,44 @@ CORE_MODULE = "flashinfer.fused_moe.core"
 GEN_NAME = "gen_cutlass_fused_moe_sm90_module"
 GET_NAME = "get_cutlass_fused_moe_module"
 # The FlashInfer releases the patches, the reduced module and CI cover (vLLM 0.26.0's, 0.30.0's
-# and 0.33.0's pins, and the newest on PyPI when this was written).
+# and 0.33.0's pins, and the newest on PyPI when this was written, which vLLM 0.34.0 runs in CI).
 SUPPORTED = ("0.6.14", "0.6.18.post1", "0.7.2.post1", "0.7.4")
+# Ranges between two tested releases whose patched sources (`fp8_blockscale_gemm/`,
+# `deep_gemm/`) are byte-identical: every final release inside is supported too, its sources
+# still checked against the patches at load. 0.7.3 is vLLM 0.34.0's pin, which the package index
+# did not serve when this was written.
+SUPPORTED_RANGES = (("0.7.2.post1", "0.7.4"),)
+_VERSION = re.compile(r"(\d+)\.(\d+)\.(\d+)(?:\.post(\d+))?")
+
+
+def _release_key(version: str) -> tuple[int, ...] | None:
+    """A final (or post) release as a sortable tuple; None for pre- and dev releases, local
+    builds and anything else: those are never assumed to match a tested range."""
+    m = _VERSION.fullmatch(version)
+    return None if m is None else tuple(int(g or 0) for g in m.groups())
+
+
+def supported_text() -> str:
+    """The supported releases as a user reads them: the tested ones and the ranges."""
+    ranges = [f"any {lo}-{hi}" for lo, hi in SUPPORTED_RANGES]
+    return ", ".join([*SUPPORTED, *ranges])
+
+
+def tested_range(version: str) -> tuple[str, str] | None:
+    """The tested range an untested release lies in (None for a tested one, or outside)."""
+    key = _release_key(version)
+    if version in SUPPORTED or key is None:
+        return None
+    for lo, hi in SUPPORTED_RANGES:
+        if _release_key(lo) <= key <= _release_key(hi):
+            return lo, hi
+    return None
+
+
+def supported(version: str) -> bool:
+    """Whether vllm-h20 supports this FlashInfer release: a tested one, or a final release
+    inside a range whose ends were tested with byte-identical patched sources."""
+    return version in SUPPORTED or tested_range(version) is not None
 
 
 class DispatchConfigError(ValueError):
@@ -125,10 +162,13 @@ def decide(
     except flashinfer_src.FlashInferNotFound as e:
         return Decision(s.mode, False, f"MoE dispatch: nothing to fix, {e}")
     where = f"FlashInfer {src.version}"
-    if src.version not in SUPPORTED:
+    between = tested_range(src.version)
+    if between is not None:
+        where += f" (between the tested {between[0]} and {between[1]})"
+    if not supported(src.version):
         msg = (
             f"MoE dispatch: STOCK (fix not applied): {where} is not a release vllm-h20 supports "
-            f"({', '.join(SUPPORTED)}), so FP8 block-scale MoE runs on FlashInfer's own module; "
+            f"({supported_text()}), so FP8 block-scale MoE runs on FlashInfer's own module; "
             f"install one of them (e.g. `pip install flashinfer-python=={SUPPORTED[-1]}`) or "
             f"check this one with `vllm-h20 patches check`"
         )

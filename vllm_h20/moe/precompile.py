@@ -211,8 +211,9 @@ class MoeShape:
         return [(2 * self.inter, self.hidden), (self.hidden, self.inter)]
 
 
-def shape_from_config(config: Path, ep_size: int = 1, redundant: int = 0) -> MoeShape:
-    """A DeepSeek V3/V4-style config.json -> the MoE shape (one-line errors)."""
+def shape_from_config(config: Path, ep_size: int = 1, redundant: int | None = 0) -> MoeShape:
+    """A DeepSeek V3/V4-style config.json -> the MoE shape (one-line errors). redundant None:
+    EPLB's replica count left to vLLM 0.34, the fewest that spread the experts evenly."""
     try:
         cfg = json.loads(config.read_text())
     except (OSError, ValueError) as e:
@@ -222,6 +223,8 @@ def shape_from_config(config: Path, ep_size: int = 1, redundant: int = 0) -> Moe
     missing = [k for k in keys if not isinstance(cfg.get(k), int)]
     if missing:
         raise PrecompileError(f"{config}: no integer {missing[0]}: not a DeepSeek-style MoE config")
+    if redundant is None:
+        redundant = (ep_size - cfg["n_routed_experts"] % ep_size) % max(ep_size, 1)
     shape = MoeShape(*(cfg[k] for k in keys), ep_size=ep_size, redundant=redundant)
     if ep_size < 1 or (shape.experts + redundant) % ep_size:
         raise PrecompileError(

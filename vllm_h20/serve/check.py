@@ -37,6 +37,9 @@ NODE_FLAGS = ("headless", "data-parallel-size-local", "data-parallel-start-rank"
 # All-to-all backends that hand the experts batched activations (one block per expert):
 # FlashInfer's CUTLASS MoE takes the standard layout (vLLM 0.33: use_batched_activation_format).
 BATCHED_ALL2ALL = ("deepep_low_latency", "nixl_ep")
+# ... and, from vLLM 0.34, padded ones (`FusedMoEConfig.activation_format` is PaddedStandard for
+# deepep_v2; FlashInfer CUTLASS declares Standard, and vLLM's MoE oracle refuses it at start-up).
+PADDED_ALL2ALL = {"deepep_v2": (0, 34)}
 
 
 def conflicts(r: Recipe) -> None:
@@ -97,6 +100,23 @@ def check_argv(extra: list[str]) -> None:
             raise RecipeError("--config: the recipe is already the config file; give one only")
 
 
+def _release(version: str) -> tuple[int, int]:
+    major, minor = (version.split(".") + ["0"])[:2]
+    return int(major), int("".join(c for c in minor if c.isdigit()) or 0)
+
+
+def version_conflicts(r: Recipe, vllm: str) -> None:
+    """What the vLLM that parsed the recipe would refuse only at start-up, minutes in."""
+    a2a = r.get("all2all-backend")
+    since = PADDED_ALL2ALL.get(a2a)
+    if since and _release(vllm) >= since and r.get("moe-backend") == "flashinfer_cutlass":
+        raise RecipeError(
+            f"{r.where('all2all-backend')}: all2all-backend: {a2a} hands the experts padded "
+            f"activations in vLLM {vllm}, which moe-backend flashinfer_cutlass does not take "
+            "(vLLM stops at start-up); use allgather_reducescatter or deepep_high_throughput"
+        )
+
+
 def check(r: Recipe, python: str | None = None) -> CheckResult:
     conflicts(r)
     out = _parse(r, python)
@@ -104,6 +124,7 @@ def check(r: Recipe, python: str | None = None) -> CheckResult:
         key = out.get("key")
         where = r.where(key) if key else str(r.path)
         raise RecipeError(f"{where}: {key + ': ' if key else ''}{out['error']}")
+    version_conflicts(r, out["vllm"])
     return CheckResult(vllm=out["vllm"], flags=out["flags"], parsed=out["parsed"])
 
 
@@ -128,7 +149,7 @@ def _parse(r: Recipe, python: str | None) -> dict[str, Any]:
     line = next((x for x in proc.stdout.splitlines() if x.startswith("VLLM_PARSE ")), None)
     if line is None:
         if "No module named 'vllm'" in proc.stderr:
-            raise RecipeError("vLLM is not installed here; `pip install vllm==0.33.0` to check")
+            raise RecipeError("vLLM is not installed here; install vLLM (README's set-up command 2) to check")
         tail = (proc.stderr.strip().splitlines() or ["no output"])[-1]
         raise RecipeError(f"{r.path}: vLLM's parser failed: {tail}")
     out = json.loads(line[len("VLLM_PARSE ") :])

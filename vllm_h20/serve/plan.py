@@ -128,14 +128,36 @@ def _tensors(model: Path):
             yield name, t.end - t.begin
 
 
-def parallelism(parsed: dict) -> tuple[int, int, int, int]:
+def parallelism(parsed: dict) -> tuple[int, int, int, int | None]:
     """(TP, DP, EP, EPLB's redundant experts) as vLLM reads them from a recipe: experts are
-    spread over TP x DP ranks when expert parallelism is on, replicas only with EPLB."""
+    spread over TP x DP ranks when expert parallelism is on, replicas only with EPLB. None:
+    EPLB on and the count left unset, which vLLM 0.34 fills with the fewest that spread the
+    experts evenly (`auto_redundant`); 0.33 read an unset count as 0."""
     tp = int(parsed.get("tensor_parallel_size") or 1)
     dp = int(parsed.get("data_parallel_size") or 1)
     ep = tp * dp if parsed.get("enable_expert_parallel") else 1
-    redundant = int(parsed.get("num_redundant_experts") or 0) if parsed.get("enable_eplb") else 0
-    return tp, dp, ep, redundant
+    if not parsed.get("enable_eplb"):
+        return tp, dp, ep, 0
+    n = parsed.get("num_redundant_experts")
+    return tp, dp, ep, None if n is None else int(n)
+
+
+def auto_redundant(experts: int, ep: int) -> int:
+    """vLLM 0.34's `ParallelConfig.compute_eplb_num_redundant_experts`: the fewest replicas
+    that make experts + replicas divide by the EP size."""
+    return (ep - experts % ep) % ep
+
+
+def memory_utilization(parsed: dict) -> float:
+    """The share of GPU memory vLLM sizes the KV cache from: the recipe's, else the installed
+    vLLM's default (0.33: 0.9 from its parser; 0.34: unset means 1.0 with the extensible KV
+    cache, its default on CUDA, else CacheConfig.DEFAULT_GPU_MEMORY_UTILIZATION)."""
+    util = parsed.get("gpu_memory_utilization")
+    if util is not None:
+        return float(util)
+    if parsed.get("enable_extensible_kv_cache") is not False:
+        return 1.0
+    return float(parsed.get("default_gpu_memory_utilization") or 0.92)
 
 
 def nodes_for(tp: int, dp: int, gpus_per_node: int = GPUS_PER_NODE) -> int:
@@ -223,7 +245,7 @@ def _weights(recipe: Recipe, parsed: dict, model: Path, tp: int, ep: int, redund
             )
             continue
         # EPLB replicas apply to the main model's MoE layers, not the DSpark draft (mtp.*).
-        r = 0 if draft else redundant
+        r = 0 if draft else auto_redundant(n, ep) if redundant is None else redundant
         if parsed.get("enable_eplb") and not draft and (n + r) % ep:
             raise RecipeError(
                 f"{recipe.where('eplb-config')}: {n} experts + {r} redundant = {n + r} "
@@ -268,7 +290,7 @@ def _engram(parsed: dict, tables: list[int], w: dict[str, float], tp: int, dp: i
 def _kv_cache(p: RankPlan, parsed: dict, ov: Overheads) -> None:
     """The KV cache what is left leaves (or kv-cache-memory-bytes), and whether it fits."""
     total, over = p.gpu_bytes, sum(p.overheads.values())
-    util = float(parsed.get("gpu_memory_utilization") or 0.9)
+    util = memory_utilization(parsed)
     fixed_kv = int(parsed.get("kv_cache_memory_bytes") or 0)
     if fixed_kv:
         # vLLM then sizes the KV cache from this alone and skips its memory profile: the

@@ -95,8 +95,20 @@ def main(path: str) -> None:
         "max_num_batched_tokens": get(args, "max_num_batched_tokens"),
         "moe_backend": get(args, "moe_backend"),
         "num_speculative_tokens": get(args, "speculative_config", "num_speculative_tokens"),
+        # vLLM 0.34: None = the extensible KV cache's default (on for CUDA), and the share of
+        # memory used when it is off and the recipe sets none.
+        "enable_extensible_kv_cache": get(args, "enable_extensible_kv_cache"),
+        "default_gpu_memory_utilization": _default_utilization(),
     }
     _result(ok=True, vllm=vllm.__version__, flags=len(flags), parsed=parsed)
+
+
+def _default_utilization() -> float | None:
+    try:
+        from vllm.config import CacheConfig
+    except ImportError:
+        return None
+    return getattr(CacheConfig, "DEFAULT_GPU_MEMORY_UTILIZATION", None)
 
 
 if __name__ == "__main__":
