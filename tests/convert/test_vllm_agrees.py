@@ -152,6 +152,7 @@ def test_dspark_context_wkv_projection_loads_from_the_converted_draft(converted)
             w = loaded[f"mtp.{layer}.attn.wkv.weight"]
             assert w.dtype == torch.float8_e4m3fn
             assert list(t.shape) == [-(-w.shape[0] // 128), -(-w.shape[1] // 128)]
+
     # The loader's rename (`.scale` -> the linear method's parameter): block FP8 for our config.
     class _Cfg:
         quant_config = type("Q", (), {"weight_block_size": [128, 128]})()

@@ -1,7 +1,7 @@
 """FlashInfer source trees for the overlay and plugin tests.
 
-`installed_fi` is the FlashInfer installed with vLLM (CI: 0.7.4, with vLLM 0.34.0); `fake_fi` builds a
-small package tree holding only the files the patches touch, so tests can put it into any
+`installed_fi` is the FlashInfer installed with vLLM (CI: 0.7.4, with vLLM 0.34.0); `fake_fi`
+builds a small package tree holding only the files the patches touch, so tests can put it into any
 state (stock, already patched, fixed differently, conflicting)."""
 
 from __future__ import annotations

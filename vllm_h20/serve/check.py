@@ -149,7 +149,9 @@ def _parse(r: Recipe, python: str | None) -> dict[str, Any]:
     line = next((x for x in proc.stdout.splitlines() if x.startswith("VLLM_PARSE ")), None)
     if line is None:
         if "No module named 'vllm'" in proc.stderr:
-            raise RecipeError("vLLM is not installed here; install vLLM (README's set-up command 2) to check")
+            raise RecipeError(
+                "vLLM is not installed here; install it (README's set-up command 2) to check"
+            )
         tail = (proc.stderr.strip().splitlines() or ["no output"])[-1]
         raise RecipeError(f"{r.path}: vLLM's parser failed: {tail}")
     out = json.loads(line[len("VLLM_PARSE ") :])

@@ -383,6 +383,6 @@ def serve(file, model, gpu, dry_run, force, precompile, node_rank, address, rpc_
     if dry_run:
         return
     if vllm is None:
-        _fail("the `vllm` command is not on PATH (README: `uv pip install vllm==0.34.0` with the FlashInfer override)")
+        _fail("the `vllm` command is not on PATH (install vLLM: README, set-up command 2)")
     sys.stdout.flush()
     os.execvp(vllm, argv)
