@@ -42,13 +42,12 @@ sys.path.insert(0, str(KERNEL_LEVEL))
 sys.path.insert(0, str(REPO))
 
 import cases  # noqa: E402
+from expected_m import per_expert_expected_m, swap_threshold  # noqa: E402
 
 # The timing method (CUDA graphs, rotated replay order), copy bandwidth, error and JSON writer
 # of the kernel-level benchmark.
 from harness import graph_of, log, rel, time_graphs, weight_bytes, write_json  # noqa: E402
 from harness import measure_copy_bandwidth as copy_bandwidth  # noqa: E402
-
-from vllm_h20.moe.expected_m import per_expert_expected_m, swap_threshold  # noqa: E402
 
 VERSIONS = ("stock", "fix", "fix_again")  # the third is the A/A repeat of the second
 TOLERANCE = 2e-2  # relative L2 error vs the fp32 reference (the patch's own test uses it)
@@ -64,7 +63,7 @@ def load_modules() -> dict:
     import flashinfer.fused_moe.core as core
     from flashinfer.jit import fused_moe as jit_fused_moe
 
-    from vllm_h20.moe import dispatch, route
+    from vllm_h20.moe import call_routing, dispatch
 
     out = {}
     # The fix last: should the two modules share DeepGEMM's include list (one process), the
@@ -78,7 +77,7 @@ def load_modules() -> dict:
         def make_spec(ufb, decision=decision):
             return dispatch.reduced_spec(decision, jit_fused_moe.gen_cutlass_fused_moe_sm90_module)
 
-        out[name] = route.load_namespace(core, make_spec)
+        out[name] = call_routing.load_namespace(core, make_spec)
     return out
 
 

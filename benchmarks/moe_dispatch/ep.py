@@ -43,9 +43,8 @@ sys.path.insert(0, str(HERE))
 
 import cases  # noqa: E402
 import run as single  # noqa: E402
+from expected_m import per_expert_expected_m  # noqa: E402
 from harness import SAMPLES, WARMUPS, graph_of, log, rel, unpack_flashinfer, write_json  # noqa: E402
-
-from vllm_h20.moe.expected_m import per_expert_expected_m  # noqa: E402
 
 VARIANTS = ("stock", "patched")  # the builds (run.py's builder: stock and patched sources)
 # The columns, in run.py's vocabulary: stock and fix (the patched build's per-expert dispatch).

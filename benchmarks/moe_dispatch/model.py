@@ -21,8 +21,7 @@ from dataclasses import dataclass
 
 import cases
 import numpy as np
-
-from vllm_h20.moe.expected_m import fit_n, fitted_tiles, per_expert_expected_m, swap_threshold
+from expected_m import fit_n, fitted_tiles, per_expert_expected_m, swap_threshold
 
 
 def best_block(shape_m: int, shape_n: int, num_groups: int, sms: int) -> tuple[int, int]:

@@ -27,8 +27,7 @@ sys.path.insert(0, str(HERE.parents[1]))
 import cases  # noqa: E402
 import misses as why  # noqa: E402
 import model  # noqa: E402
-
-from vllm_h20.moe.expected_m import fit_n  # noqa: E402
+from expected_m import fit_n  # noqa: E402
 
 # What each column of a run is, for the tables (run.py's version names).
 NAMES = {

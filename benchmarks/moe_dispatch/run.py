@@ -46,6 +46,7 @@ sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(REPO))
 
 import cases  # noqa: E402
+from expected_m import fit_n, per_expert_expected_m, swap_threshold  # noqa: E402
 from harness import (  # noqa: E402
     graph_of,
     log,
@@ -62,7 +63,6 @@ from harness import (  # noqa: E402
 )
 
 from vllm_h20.moe.build import find_cublas_include  # noqa: E402
-from vllm_h20.moe.expected_m import fit_n, per_expert_expected_m, swap_threshold  # noqa: E402
 from vllm_h20.moe.patchfile import apply_file, read_patch  # noqa: E402
 
 VARIANTS = ("stock", "patched", "calib")

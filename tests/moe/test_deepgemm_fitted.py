@@ -7,8 +7,8 @@ series, let the patched `generateKernel` write the kernel sources the dispatch l
 fitted swap-A/B kernel alone, and with a row class, as a split launches it), and compile them:
 they build against the overlay with no register spills, their cubins hold the fitted kernel,
 and FlashInfer's own headers refuse them, so a stock header set can never produce, nor be
-mistaken for, a fitted kernel. The plan's Python port (`vllm_h20.moe.expected_m`, used by the
-benchmarks' model and the FlashInfer test) is checked against the patched C++ functions.
+mistaken for, a fitted kernel. The plan's Python port (`benchmarks/moe_dispatch/expected_m.py`,
+used by the benchmarks' model and the FlashInfer test) is checked against the patched C++.
 """
 
 from __future__ import annotations
@@ -21,9 +21,15 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from tests.benchmark_scripts import load_script
 from tests.moe import deepgemm_kernels as dk
-from vllm_h20.moe import expected_m, overlay
+from vllm_h20.moe import overlay
 from vllm_h20.moe.patchfile import read_patch
+
+expected_m = load_script(
+    Path(__file__).resolve().parents[2] / "benchmarks" / "moe_dispatch" / "expected_m.py",
+    "moe_dispatch_expected_m",
+)
 
 KERNEL_CUH = (
     "nv_internal/tensorrt_llm/kernels/cutlass_kernels/fp8_blockscale_gemm/"

@@ -285,7 +285,7 @@ def install_on(core: ModuleType, decision: Decision) -> None:
         # FlashInfer points DeepGEMM at its own headers once the module is loaded: the
         # overlay's module needs the overlay's (once per module; this runs on every MoE call).
         if backend == "90" and made and made[-1].name not in pointed:
-            from .route import point_deepgemm
+            from .call_routing import point_deepgemm
 
             point_deepgemm(made[-1])
             pointed.add(made[-1].name)
@@ -343,7 +343,7 @@ def activate(decision: Decision) -> None:
     if decision.overlay:
         hook.after_import(CORE_MODULE, lambda core: install_on(core, decision))
     elif decision.route is not None:
-        from . import route
+        from . import call_routing
 
         describe = f"the reduced {decision.route} module (FlashInfer {decision.src.version})"
 
@@ -352,10 +352,10 @@ def activate(decision: Decision) -> None:
 
         def install(core: ModuleType) -> None:
             try:
-                route.install(core, make_spec, describe, decision.strict)
+                call_routing.install(core, make_spec, describe, decision.strict)
             except RuntimeError as e:  # a FlashInfer layout we do not know: leave it as it is
                 if decision.strict:
                     raise
-                route.logger.warning("%s; FlashInfer's fused MoE runs unchanged", e)
+                call_routing.logger.warning("%s; FlashInfer's fused MoE runs unchanged", e)
 
         hook.after_import(CORE_MODULE, install)

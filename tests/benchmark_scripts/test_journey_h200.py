@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.benchmarks import load_script, pack_published
+from tests.benchmark_scripts import load_script, pack_published
 
 ROOT = Path(__file__).resolve().parents[2]
 HERE = ROOT / "benchmarks" / "journey_h200"

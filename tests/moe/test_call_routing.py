@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from vllm_h20.moe import dispatch, route
+from vllm_h20.moe import call_routing, dispatch
 from vllm_h20.moe.build import jit_env
 
 BS = {"use_deepseek_fp8_block_scale": True}
@@ -39,7 +39,7 @@ class Recorder:
 def test_block_scale_calls_go_to_the_reduced_module_the_rest_to_flashinfers():
     built = []
     stock, fix = Recorder("stock"), Recorder("fix")
-    r = route.Sm90Routes(
+    r = call_routing.Sm90Routes(
         stock=lambda: built.append("stock") or stock,
         reduced=lambda: built.append("fix") or fix,
         describe="test",
@@ -64,22 +64,22 @@ def test_install_routes_only_the_sm90_backend():
 
     core.get_cutlass_fused_moe_module = get_cutlass_fused_moe_module
     core.gen_cutlass_fused_moe_sm90_module = lambda use_fast_build=False: None
-    route.install(core, lambda gen, ufb: None, "test", strict=False)
+    call_routing.install(core, lambda gen, ufb: None, "test", strict=False)
     router = core.get_cutlass_fused_moe_module
     assert router.vllm_h20 and router.__wrapped__ is get_cutlass_fused_moe_module
     assert router("100") == ("flashinfer", "100", False)
     assert router("89", True) == ("flashinfer", "89", True)
     sm90 = router("90")
-    assert isinstance(sm90, route.Sm90Routes) and router("90") is sm90
+    assert isinstance(sm90, call_routing.Sm90Routes) and router("90") is sm90
     assert router("90", True) is not sm90
-    route.install(core, lambda gen, ufb: None, "test", strict=False)  # idempotent
+    call_routing.install(core, lambda gen, ufb: None, "test", strict=False)  # idempotent
     assert core.get_cutlass_fused_moe_module is router
 
     plain = types.ModuleType("old_core")
     plain.get_cutlass_fused_moe_module = lambda backend="100": None  # not cached: unknown layout
     plain.gen_cutlass_fused_moe_sm90_module = lambda: None
     with pytest.raises(RuntimeError, match="VLLM_H20_MOE_MODULE=full"):
-        route.install(plain, lambda gen, ufb: None, "test", strict=False)
+        call_routing.install(plain, lambda gen, ufb: None, "test", strict=False)
 
 
 # --------------------------------------------------------------------------- fallbacks
@@ -88,7 +88,7 @@ FALLBACK = """
 import json, logging, sys
 logging.basicConfig(level=logging.INFO, format="%(levelname)s|%(name)s|%(message)s")
 import flashinfer.fused_moe.core as core
-from vllm_h20.moe import dispatch, route
+from vllm_h20.moe import call_routing, dispatch
 
 stock = []
 class Stock:
@@ -99,8 +99,9 @@ class Stock:
 decision = dispatch.decide()
 stock_gen = core.gen_cutlass_fused_moe_sm90_module
 make_spec = {make_spec}
-r = route.Sm90Routes(stock=Stock, reduced=lambda: route.load_namespace(core, make_spec),
-                     describe="the reduced fix module", strict=decision.strict)
+cr = call_routing
+r = cr.Sm90Routes(stock=Stock, reduced=lambda: cr.load_namespace(core, make_spec),
+                  describe="the reduced fix module", strict=decision.strict)
 served = [r.cutlass_fused_moe(use_deepseek_fp8_block_scale=True) for _ in range(3)]
 print("RESULT " + json.dumps({{"served": served, "stock": stock}}))
 """
@@ -216,9 +217,13 @@ def test_unsupported_flashinfer_keeps_it_stock_with_one_warning(fake_fi, patches
 def test_explain_names_cause_and_fix(tmp_path):
     lib = tmp_path / "m.so"
     lib.write_bytes(b"x")
-    assert "stale or corrupt" in route.explain(OSError("invalid ELF header"), str(lib), "nvcc")
-    assert "nvcc was not found" in route.explain(RuntimeError("x"), None, None)
-    msg = route.explain(RuntimeError("ninja failed (exit 1): error: boom"), None, "/bin/nvcc")
+    assert "stale or corrupt" in call_routing.explain(
+        OSError("invalid ELF header"), str(lib), "nvcc"
+    )
+    assert "nvcc was not found" in call_routing.explain(RuntimeError("x"), None, None)
+    msg = call_routing.explain(
+        RuntimeError("ninja failed (exit 1): error: boom"), None, "/bin/nvcc"
+    )
     assert msg.startswith("building the fix module failed (ninja failed") and "--clean" in msg
 
 
@@ -234,7 +239,7 @@ def test_deepgemm_reads_the_headers_of_the_modules_own_sources(jit_spec, install
         decision = dispatch.decide({dispatch.ENV: mode})
         spec = dispatch.reduced_spec(decision, fused_moe.gen_cutlass_fused_moe_sm90_module,
                                      cache=tmp_path / "c", build=False)  # fmt: skip
-        found[mode] = Path(route.deepgemm_include_dir(spec))
+        found[mode] = Path(call_routing.deepgemm_include_dir(spec))
     scheduler = found["per_expert"] / "deep_gemm" / "scheduler.cuh"
     assert found["per_expert"].is_relative_to(tmp_path / "c")
     assert not scheduler.is_symlink() and "rows_in_class" in scheduler.read_text()

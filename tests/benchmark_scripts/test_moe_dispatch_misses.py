@@ -17,7 +17,7 @@ sys.path.insert(0, str(HERE))
 
 import cases  # noqa: E402
 
-from tests.benchmarks import load_script  # noqa: E402
+from tests.benchmark_scripts import load_script  # noqa: E402
 
 model = load_script(HERE / "model.py", "moe_dispatch_model")
 why = load_script(HERE / "misses.py", "moe_dispatch_misses")

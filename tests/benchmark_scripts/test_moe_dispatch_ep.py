@@ -15,8 +15,7 @@ sys.path.insert(0, str(HERE))
 
 import cases  # noqa: E402
 import ep  # noqa: E402
-
-from vllm_h20.moe.expected_m import per_expert_expected_m  # noqa: E402
+from expected_m import per_expert_expected_m  # noqa: E402
 
 
 @pytest.mark.parametrize("routing", cases.ROUTINGS)

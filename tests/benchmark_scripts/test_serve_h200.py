@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.benchmarks import load_script, pack_published
+from tests.benchmark_scripts import load_script, pack_published
 
 ROOT = Path(__file__).resolve().parents[2]
 HERE = ROOT / "benchmarks" / "serve_h200"

@@ -24,7 +24,7 @@ sys.path.insert(0, str(HERE))
 
 import cases  # noqa: E402
 
-from tests.benchmarks import load_script  # noqa: E402
+from tests.benchmark_scripts import load_script  # noqa: E402
 
 
 def _run_py():

@@ -1,15 +1,17 @@
 import math
+from pathlib import Path
 
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from vllm_h20.moe.expected_m import (
-    DispatchCase,
-    branch,
-    per_expert_expected_m,
-    swap_threshold,
-)
+from tests.benchmark_scripts import load_script
+
+ROOT = Path(__file__).resolve().parents[2]
+
+_m = load_script(ROOT / "benchmarks" / "moe_dispatch" / "expected_m.py", "moe_dispatch_expected_m")
+DispatchCase, branch = _m.DispatchCase, _m.branch
+per_expert_expected_m, swap_threshold = _m.per_expert_expected_m, _m.swap_threshold
 
 tokens = st.integers(0, 1 << 20)
 small = st.integers(1, 512)
