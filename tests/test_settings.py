@@ -38,7 +38,6 @@ def test_current_marks_what_is_unset():
     cur = settings.current({"VLLM_H20_MOE_DISPATCH": "stock"})
     assert cur["VLLM_H20_MOE_DISPATCH"] == "stock"
     assert cur["VLLM_H20_MOE_MODULE"] == "reduced (default)"
-    assert cur["VLLM_H20_PATCH_SERIES"] == "(empty) (default)"
     assert set(cur) == set(settings.BY_NAME)
 
 

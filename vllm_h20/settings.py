@@ -21,8 +21,8 @@ class Setting:
     name: str
     default: str
     doc: str
-    choices: tuple[str, ...] = ()  # empty: any string (a path, a series name)
-    kind: str = "choice"  # choice | flag | path | name
+    choices: tuple[str, ...] = ()  # empty: any string (a path)
+    kind: str = "choice"  # choice | flag | path
 
 
 _FLAG_VALUES = ("0", "1", "false", "true", "")
@@ -45,12 +45,6 @@ TABLE: tuple[Setting, ...] = (
         "1: a fix module that cannot be had is an error instead of one warning and "
         "FlashInfer's own module.",
         kind="flag",
-    ),
-    Setting(
-        "VLLM_H20_PATCH_SERIES", "",
-        "A candidate patch series under patches/flashinfer/ (e.g. candidates/fitted-row-tiles) "
-        "to build the fix from instead of the shipped one.",
-        kind="name",
     ),
     Setting(
         "VLLM_H20_CACHE_DIR", "",

@@ -11,7 +11,7 @@
 #                                           # routings, fused op (A/B + FlashInfer's tests);
 #                                           # STEPS="fused stock_tests" runs only those, and
 #                                           # STEPS="explore ..." adds run.py --explore on
-#                                           # EXPLORE_SERIES (default: the shipped one) over
+#                                           # the shipped series over
 #                                           # EXPLORE_ROUTINGS x EXPLORE_TOKENS, first, and
 #                                           # STEPS="profile ..." the same with --profile over
 #                                           # PROFILE_ROUTINGS x PROFILE_TOKENS (where the time
@@ -22,11 +22,10 @@
 #   benchmarks/moe_dispatch/h200.sh wait S  # follow the background run for up to S seconds
 #   benchmarks/moe_dispatch/h200.sh collect OUT   # what exists so far, as <= 8 files, into OUT
 #
-# SERIES=candidates/fitted-row-tiles measures that patch series (under patches/flashinfer/)
-# instead of the shipped one, in the kernel-level runs (--series) and the fused op
-# (VLLM_H20_PATCH_SERIES). Needs .fi/ (carried): the FlashInfer 0.7.2.post1 source tarball
-# (moe_dispatch/fetch_sources.py) and the FlashInfer 0.6.14 wheels + tests (fused_moe/stage.py,
-# run with the same VLLM_H20_PATCH_SERIES so that the series' own test is staged).
+# The shipped series (patches/flashinfer/); the candidate series that lost are measured from
+# the tag experiments/2026-12-06 (check it out: its h200.sh takes SERIES=candidates/NAME).
+# Needs .fi/ (carried): the FlashInfer 0.7.2.post1 source tarball (moe_dispatch/fetch_sources.py)
+# and the FlashInfer 0.6.14 wheels + tests (fused_moe/stage.py).
 set -uo pipefail
 step=${1:?smoke|start|full|wait|collect}
 S=${MOE_SESSION:-/tmp/moe-session}
@@ -47,10 +46,7 @@ copy_repo() {
 # directory per series and state of its patches (run.py's work_for): a later start with a
 # changed patch builds it anew instead of timing the earlier one.
 RUN=(python3 benchmarks/moe_dispatch/run.py --flashinfer .fi/flashinfer-0.7.2.post1-src.tar.xz
-     --work "$S/work" --series "${SERIES:-}")
-if [ -n "${SERIES:-}" ]; then
-    export VLLM_H20_PATCH_SERIES=$SERIES
-fi
+     --work "$S/work")
 
 case "$step" in
 smoke)
@@ -108,14 +104,14 @@ full)
     }
     run_explore() {
         timeout 900 python3 benchmarks/moe_dispatch/run.py --flashinfer \
-            .fi/flashinfer-0.7.2.post1-src.tar.xz --work "$S/work" --series "${EXPLORE_SERIES:-}" \
+            .fi/flashinfer-0.7.2.post1-src.tar.xz --work "$S/work" \
             --explore --no-calibration --out "$S/out/explore" \
             --routings "${EXPLORE_ROUTINGS:-uniform,zipf,eplb,trained,same_spread,pool8,pool16}" \
             ${EXPLORE_TOKENS:+--tokens "$EXPLORE_TOKENS"} > "$S/out/explore.log" 2>&1
     }
     run_profile() {
         timeout 900 python3 benchmarks/moe_dispatch/run.py --flashinfer \
-            .fi/flashinfer-0.7.2.post1-src.tar.xz --work "$S/work" --series "${EXPLORE_SERIES:-}" \
+            .fi/flashinfer-0.7.2.post1-src.tar.xz --work "$S/work" \
             --explore --profile --no-calibration --out "$S/out/profile" \
             --routings "${PROFILE_ROUTINGS:-same_spread,pool16,zipf2,uniform}" \
             --tokens "${PROFILE_TOKENS:-128,192,288,2048}" > "$S/out/profile.log" 2>&1

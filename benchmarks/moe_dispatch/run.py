@@ -384,7 +384,8 @@ def series_patches(series: str = "") -> list[Path]:
     """The patch files of a series under patches/flashinfer/ ("": the shipped one)."""
     files = sorted((REPO / "patches" / "flashinfer" / series).glob("*.patch"))
     if not files:
-        raise SystemExit(f"no patches in patches/flashinfer/{series}")
+        hint = " (a candidate: check out the tag experiments/2026-12-06)" if series else ""
+        raise SystemExit(f"no patches in patches/flashinfer/{series}{hint}")
     return files
 
 
@@ -1105,8 +1106,9 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--no-calibration", action="store_true", help="skip the forced-kernel sweep")
     ap.add_argument("--tokens", default="", help="comma-separated token counts (default: all)")
     ap.add_argument("--series", default="",
-                    help=f"patch series under patches/flashinfer/ to build (default: the shipped "
-                         f"one), e.g. {CANDIDATE}")  # fmt: skip
+                    help="patch series under patches/flashinfer/ to build (default: the shipped "
+                         "one; the candidates that lost, e.g. candidates/fitted-row-tiles, from a "
+                         "checkout of the tag experiments/2026-12-06)")  # fmt: skip
     ap.add_argument("--explore", action="store_true",
                     help="other versions: on the shipped series, its hot launch alone (a "
                          "diagnostic), its split without the overlap, the split on two "

@@ -12,9 +12,7 @@
 #                           LAYERS=3: ~27 GB, four servers side by side; on the GPU);
 #                           servers then load it instead of --load-format dummy
 #   h200.sh serve NAME...   start servers: fix (port 8001), stock (8002), triton (8003),
-#                           deepgemm (8004: vLLM's DeepGEMM MoE, its vendored deep_gemm),
-#                           branches (8005: the fix from candidates/graph-branches; boot with
-#                           BUILD_SERIES=candidates/graph-branches)
+#                           deepgemm (8004: vLLM's DeepGEMM MoE, its vendored deep_gemm)
 #   h200.sh wait NAME...    wait until each answers /health (or died: its log tail)
 #   h200.sh check [A B]     correctness (A vs B, default fix stock), each one's decode-step
 #                           routing, a warm-up, and each one's profile
@@ -74,17 +72,11 @@ boot)
         touch "$SH/stage/.boot"
     fi
     if [ ! -f "$SH/build.done" ] && ! building; then
-        # Both reduced modules, so neither server compiles on its first MoE call; then the fix
-        # module of each candidate series in BUILD_SERIES (e.g. candidates/graph-branches, the
-        # `branches` server's), each its own module (the patches are part of its key).
-        extra=""
-        for s in ${BUILD_SERIES:-}; do
-            extra+=" && VLLM_H20_PATCH_SERIES=$s vllm-h20 kernels build --json \
-                > $SH/build-${s//\//-}.json"
-        done
+        # Both reduced modules (BUILD_DISPATCH=per_expert: the fix's alone), so no server
+        # compiles on its first MoE call.
         rm -f "$SH/build.pid"
         setsid bash -c "echo \$\$ > $SH/build.pid
-            { vllm-h20 kernels build --dispatch ${BUILD_DISPATCH:-both} --json > $SH/build.json$extra; } \
+            { vllm-h20 kernels build --dispatch ${BUILD_DISPATCH:-both} --json > $SH/build.json; } \
             2> $SH/logs/build.log && touch $SH/build.done" < /dev/null > /dev/null 2>&1 &
         for _ in $(seq 50); do [ -f "$SH/build.pid" ] && break; sleep 0.1; done
     fi

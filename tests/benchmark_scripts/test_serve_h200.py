@@ -121,7 +121,7 @@ def test_device_scripts_parse_and_refuse_unknown_steps_and_servers(tmp_path):
         assert res.returncode == 2 and "unknown step frobnicate" in res.stderr
     res = run(HERE / "h200.sh", "wait", "v4hum")
     assert res.returncode == 1 and (
-        "unknown server v4hum (fix|stock|triton|deepgemm|branches)" in res.stderr
+        "unknown server v4hum (fix|stock|triton|deepgemm)" in res.stderr
     )
     res = run(JOURNEY, "wait", "fix")
     assert res.returncode == 1 and "unknown server fix (v4hum|v4fix|v4stock|v4marlin)" in res.stderr
@@ -1018,39 +1018,37 @@ def test_serve_starts_each_server_from_its_drivers_table(tmp_path):
     assert "VLLM_DISABLED_KERNELS=FlashInferFp8DeepGEMMDynamicBlockScaledKernel\n" in v4stock
 
 
-def test_boot_builds_each_candidate_series_fix_module_after_the_two(tmp_path):
-    """`boot` builds the fix and stock modules in the background, then, with
-    BUILD_SERIES=candidates/graph-branches, that series' fix module (the `branches` server's),
-    each command's stderr in the build log, and marks the build done only after all of them.
-    `vllm-h20` is a stand-in that records its series and arguments."""
-    sh = tmp_path / "sh"
-    (sh / "stage").mkdir(parents=True)
-    (sh / "stage" / ".boot").touch()  # the wheels are installed: boot skips that part
-    bin_dir = sh / "site" / "bin"  # env.sh puts $SITE/bin first on PATH
-    bin_dir.mkdir(parents=True)
-    calls = tmp_path / "calls"
-    stub = bin_dir / "vllm-h20"
-    stub.write_text(f'#!/bin/bash\necho "${{VLLM_H20_PATCH_SERIES:-}}|$*" >> {calls}\n'
-                    'echo "building $*" >&2\necho "{}"\n')  # fmt: skip
-    stub.chmod(0o755)
-    for tool in ("nvidia-smi", "python3"):
-        (bin_dir / tool).write_text("#!/bin/bash\necho stub\n")
-        (bin_dir / tool).chmod(0o755)
-    env = {"SH": str(sh), "PATH": "/usr/bin:/bin", "BUILD_SERIES": "candidates/graph-branches"}
-    res = subprocess.run(["bash", str(HERE / "h200.sh"), "boot"], capture_output=True, text=True,
-                         env=env, timeout=60)  # fmt: skip
-    assert res.returncode == 0, res.stderr
-    for _ in range(100):
-        if (sh / "build.done").exists():
-            break
-        time.sleep(0.1)
-    assert (sh / "build.done").exists(), (sh / "logs" / "build.log").read_text()
-    assert calls.read_text().splitlines() == [
-        "|kernels build --dispatch both --json",
-        "candidates/graph-branches|kernels build --json",
-    ]
-    assert (sh / "build-candidates-graph-branches.json").read_text().strip() == "{}"
-    assert (sh / "logs" / "build.log").read_text().splitlines() == [
-        "building kernels build --dispatch both --json",
-        "building kernels build --json",
-    ]
+def test_boot_builds_the_reduced_modules_in_the_background(tmp_path):
+    """`boot` builds the fix and stock modules in the background (BUILD_DISPATCH=per_expert:
+    the fix's alone), its stderr in the build log, and marks the build done after it.
+    `vllm-h20` is a stand-in that records its arguments."""
+    for dispatch, want in ((None, "both"), ("per_expert", "per_expert")):
+        sh = tmp_path / (dispatch or "default") / "sh"
+        (sh / "stage").mkdir(parents=True)
+        (sh / "stage" / ".boot").touch()  # the wheels are installed: boot skips that part
+        bin_dir = sh / "site" / "bin"  # env.sh puts $SITE/bin first on PATH
+        bin_dir.mkdir(parents=True)
+        calls = sh.parent / "calls"
+        stub = bin_dir / "vllm-h20"
+        stub.write_text(f'#!/bin/bash\necho "$*" >> {calls}\n'
+                        'echo "building $*" >&2\necho "{}"\n')  # fmt: skip
+        stub.chmod(0o755)
+        for tool in ("nvidia-smi", "python3"):
+            (bin_dir / tool).write_text("#!/bin/bash\necho stub\n")
+            (bin_dir / tool).chmod(0o755)
+        env = {"SH": str(sh), "PATH": "/usr/bin:/bin"} | (
+            {"BUILD_DISPATCH": dispatch} if dispatch else {}
+        )
+        res = subprocess.run(["bash", str(HERE / "h200.sh"), "boot"], capture_output=True,
+                             text=True, env=env, timeout=60)  # fmt: skip
+        assert res.returncode == 0, res.stderr
+        for _ in range(100):
+            if (sh / "build.done").exists():
+                break
+            time.sleep(0.1)
+        assert (sh / "build.done").exists(), (sh / "logs" / "build.log").read_text()
+        assert calls.read_text().splitlines() == [f"kernels build --dispatch {want} --json"]
+        assert (sh / "build.json").read_text().strip() == "{}"
+        assert (sh / "logs" / "build.log").read_text().splitlines() == [
+            f"building kernels build --dispatch {want} --json"
+        ]

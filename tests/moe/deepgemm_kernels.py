@@ -1,5 +1,5 @@
-"""What the DeepGEMM compile tests share (test_deepgemm_row_class, _fitted, _whole_expert): an
-overlay of the installed FlashInfer with a patch series, a host program built against it (the
+"""What the DeepGEMM compile tests share (test_deepgemm_whole_expert, test_moe_dispatch): an
+overlay of the installed FlashInfer with the patch series, a host program built against it (the
 patched `generateKernel` writing kernel sources, or a plan cut out of the headers), and one
 generated kernel compiled with DeepGEMM's own nvcc flags; and the H20 model whose plan ports
 they check (also test_precompile)."""
@@ -18,6 +18,30 @@ import pytest
 from vllm_h20.moe import overlay, precompile
 from vllm_h20.moe.patchfile import read_patch
 
+# The kernel header the dispatch lives in (csrc-relative), and a host program that prints the
+# kernel source the patched generateKernel writes for a row class (swap|regular, min, max rows).
+KERNEL_CUH = (
+    "nv_internal/tensorrt_llm/kernels/cutlass_kernels/fp8_blockscale_gemm/"
+    "fp8_blockscale_gemm_kernel.cuh"
+)
+
+GEN = r"""
+#include <cstdlib>
+#include <iostream>
+#include "tensorrt_llm/deep_gemm/compiler.cuh"
+// argv: swap|regular, min rows, max rows ("any")
+int main(int argc, char** argv) {
+  bool const swap = argv[1][0] == 's';
+  deep_gemm::jit::RowClass rows{
+      static_cast<uint32_t>(std::atoi(argv[2])),
+      argv[3][0] == 'a' ? deep_gemm::kAnyRows : static_cast<uint32_t>(std::atoi(argv[3]))};
+  std::cerr << "tag" << rows.tag() << "\n";
+  std::cout << deep_gemm::jit::generateKernel(4608, 5120, 128, swap ? 16 : 128, 128, 50,
+                                              swap ? 8 : 5, 1,
+                                              deep_gemm::GemmType::GroupedWithOffset, swap, rows);
+}
+"""
+
 
 def bench_model() -> ModuleType:
     """benchmarks/moe_dispatch/model.py (a script beside its `cases` module, not a package)."""
@@ -32,30 +56,6 @@ def added_text(patch: Path, file_name: str) -> str:
     the tests that cut functions out of a patch and compile them alone."""
     (diff,) = [d for d in read_patch(patch).files if d.path.endswith("/" + file_name)]
     return "\n".join(line for h in diff.hunks for line in h.new)
-
-
-def candidate_series(series: str, last: str, same_bytes: int | None = None) -> Path:
-    """Check that a candidate folder holds whole series (a maintainer applies a folder with
-    `git am`): on both FlashInfer lines patches named as the shipped ones, the first
-    `same_bytes` of them (all by default) the shipped ones byte for byte, then `last`, the same on
-    both lines. Returns the top-level `last`."""
-    root = overlay.patches_dir() / "flashinfer"
-    for line in ("", "v0.6.14"):
-        shipped = sorted((root / line).glob("*.patch"))
-        mine = sorted((root / series / line).glob("*.patch"))
-        assert [p.name for p in mine] == [p.name for p in shipped] + [last]
-        pairs = zip(mine[:same_bytes], shipped[:same_bytes], strict=False)
-        assert all(a.read_bytes() == b.read_bytes() for a, b in pairs)
-    assert (root / series / last).read_bytes() == (root / series / "v0.6.14" / last).read_bytes()
-    return root / series / last
-
-
-def series_patches(version: str, series: str):
-    """The patches of one series under patches/flashinfer/ ("" the shipped one) for a FlashInfer
-    version, as vllm-h20 picks them ($VLLM_H20_PATCH_SERIES)."""
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv(overlay.SERIES_ENV, series)
-        return overlay.shipped_patches(version)
 
 
 def nvcc() -> str:

@@ -2,11 +2,11 @@
 tiles past what pays on the GPU), compiled here with nvcc for sm_90a (no GPU needed).
 
 Its row-class kernels find each CTA's first tile with one warp-wide search. Where the
-`griddepcontrol` instructions sat around the main loops (the previous series,
-candidates/estimated-row-classes), ptxas spilled 192 bytes per thread and the kernels ran 3-15 %
-slower on an H200 (benchmarks/results/moe_dispatch/whole-expert-tiles-h200, round 1): the
-compile here checks that the kernels the dispatch launches spill nothing, carry their class in
-their cache name, and do not build against FlashInfer's own headers. The plan
+`griddepcontrol` instructions sat around the main loops (the series shipped until
+2026-12-03, now in the tag experiments/2026-12-06), ptxas spilled 192 bytes per thread and the
+kernels ran 3-15 % slower on an H200 (benchmarks/results/moe_dispatch/whole-expert-tiles-h200,
+round 1): the compile here checks that the kernels the dispatch launches spill nothing, carry
+their class in their cache name, and do not build against FlashInfer's own headers. The plan
 (plan_row_classes, cut out of the patch) is checked for what the dispatch relies on.
 """
 
@@ -22,13 +22,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tests.moe import deepgemm_kernels as dk
-from tests.moe.test_deepgemm_row_class import GEN, KERNEL_CUH
+from tests.moe.deepgemm_kernels import GEN, KERNEL_CUH
 from vllm_h20.moe import overlay, precompile
 
 SHIPPED = overlay.patches_dir() / "flashinfer"
-PREVIOUS = SHIPPED / "candidates" / "estimated-row-classes"
-# Shipped 2026-12-03 to 12-04: the same plan_row_classes, no single-launch bounds.
-COLD_FIRST = SHIPPED / "candidates" / "whole-expert-tiles"
 # name: generator arguments (swap|regular, min rows, max rows): the launches of a two-class step.
 SOURCES = {"cold": ["swap", "1", "16"], "hot": ["regular", "17", "any"]}
 
@@ -84,22 +81,25 @@ def _plan_text(series: Path = SHIPPED) -> str:
     return dk.added_text(p2, KERNEL_CUH.split("/")[-1])
 
 
-def test_kernels_precompile_refuses_the_previous_series_in_one_line(tmp_path):
-    """`kernels precompile` plans the shipped series only; on an earlier series' headers
-    (VLLM_H20_PATCH_SERIES=candidates/estimated-row-classes, or candidates/whole-expert-tiles,
-    whose plan has the entry point but not the single-launch bounds) it says so instead of
-    failing to compile its planner; on the shipped series' plan it finds the entry point."""
+def test_kernels_precompile_refuses_other_headers_in_one_line(tmp_path):
+    """`kernels precompile` plans the shipped series only: on headers whose plan has another
+    signature (the series shipped until 2026-12-03 had plan_row_classes(expected_m, max_m,
+    threshold)), or the entry point without the single-launch bounds its main() uses (the one
+    shipped 2026-12-03 to 12-04), it says so instead of failing to compile its planner."""
     kernel = tmp_path / "csrc" / precompile.KERNEL_CUH
     kernel.parent.mkdir(parents=True)
-    assert precompile.SHIPPED_PLAN.search(_plan_text())
-    kernel.write_text(_plan_text(PREVIOUS))
-    with pytest.raises(precompile.PrecompileError, match="plans the shipped series only"):
-        precompile.planner_source(tmp_path / "csrc")
-    # The cold-first series has the entry point but not the bounds the planner's main() uses.
-    assert precompile.SHIPPED_PLAN.search(_plan_text(COLD_FIRST))
-    kernel.write_text(_plan_text(COLD_FIRST))
-    with pytest.raises(precompile.PrecompileError, match="plans the shipped series only"):
-        precompile.planner_source(tmp_path / "csrc")
+    shipped = _plan_text()
+    assert precompile.SHIPPED_PLAN.search(shipped)
+    other_signature = precompile.SHIPPED_PLAN.sub(
+        "plan_row_classes(uint32_t expected_m, uint32_t max_m, uint32_t threshold)", shipped
+    )
+    no_bounds = shipped
+    for bound in precompile.SHIPPED_BOUNDS:
+        no_bounds = no_bounds.replace(bound, bound.lower())
+    for text in (other_signature, no_bounds):
+        kernel.write_text(text)
+        with pytest.raises(precompile.PrecompileError, match="plans the shipped series only"):
+            precompile.planner_source(tmp_path / "csrc")
 
 
 @pytest.fixture(scope="module")

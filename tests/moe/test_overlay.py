@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 from pathlib import Path
 
 import pytest
@@ -121,19 +122,22 @@ def test_touched_sources_are_the_four_that_include_patched_files(
     ]
 
 
-def test_a_candidate_series_replaces_the_shipped_one_and_a_typo_is_one_line(monkeypatch):
-    """VLLM_H20_PATCH_SERIES picks a series under patches/flashinfer/candidates/ (its own
-    v<release>/ variant where it has one); an unknown name is refused naming the ones there are."""
-    shipped = [p.subject for p in overlay.shipped_patches("0.7.4")]
-    monkeypatch.setenv(overlay.SERIES_ENV, "candidates/fitted-row-tiles")
-    assert overlay.series_name("0.7.4") == "flashinfer/candidates/fitted-row-tiles"
-    assert overlay.series_name("0.6.14") == "flashinfer/candidates/fitted-row-tiles/v0.6.14"
-    candidate = [p.subject for p in overlay.shipped_patches("0.7.4")]
-    assert candidate[0] == shipped[0] and candidate[1] != shipped[1]
-    assert "fit the SM90 FP8 block-scale row tile" in candidate[1]
-    monkeypatch.setenv(overlay.SERIES_ENV, "candidates/fited")
-    with pytest.raises(
-        PatchError, match="one of: candidates/estimated-row-classes, candidates/fitted-row-tiles"
-    ) as e:
-        overlay.shipped_patches("0.7.4")
+def test_a_release_variant_replaces_only_the_patches_that_differ(tmp_path, monkeypatch):
+    """patches/flashinfer/v<release>/ holds only the patches whose context differs for that
+    release (0.6.14: 0001); the others come from the series itself, so every file lives once. A
+    variant file that replaces no patch of the series is refused in one line."""
+    base = overlay.patches_dir() / "flashinfer"
+    names = [p.name for p in sorted(base.glob("*.patch"))]
+    old = overlay.series_files("0.6.14")
+    assert [p.name for p in old] == names
+    assert old[0].parent.name == "v0.6.14" and all(p.parent == base for p in old[1:])
+    assert overlay.series_files("0.7.4") == sorted(base.glob("*.patch"))
+    assert overlay.series_name("0.6.14") == "flashinfer (+ flashinfer/v0.6.14)"
+    assert overlay.series_name("0.7.4") == "flashinfer"
+    fake = tmp_path / "patches"
+    shutil.copytree(overlay.patches_dir(), fake)
+    (fake / "flashinfer" / "v0.6.14" / "0009-nothing.patch").write_text("x")
+    monkeypatch.setattr(overlay, "patches_dir", lambda: fake)
+    with pytest.raises(PatchError, match="0009-nothing.patch replace no patch of") as e:
+        overlay.series_files("0.6.14")
     assert "\n" not in str(e.value)

@@ -101,7 +101,6 @@ def status(as_json: bool) -> None:
         "dispatch_env": env[dispatch.ENV],
         "module_env": env[dispatch.MODULE_ENV],
         "strict_env": env[dispatch.STRICT_ENV],
-        "patch_series_env": env[overlay.SERIES_ENV],
     }
     try:
         decision = dispatch.decide()
@@ -116,7 +115,10 @@ def status(as_json: bool) -> None:
             info.update(
                 fix_state=decision.assessment.state.value,
                 fix_detail=decision.assessment.detail,
-                patches=[f"{overlay.series_name(src.version)}/{p.name}" for p in decision.patches],
+                patches=[
+                    f.relative_to(overlay.patches_dir()).as_posix()
+                    for f in overlay.series_files(src.version)
+                ],
             )
         built = _built_reduced(src)
         if decision.patches:

@@ -13,8 +13,8 @@ process at plugin load):
 - `VLLM_H20_STRICT=1`: a fix module that cannot be had (unknown FlashInfer, no nvcc, compile
   error, corrupt cache) is an error instead of one warning and FlashInfer's own module.
 
-`VLLM_H20_PATCH_SERIES` (read by `overlay.series_dir`) builds the fix from a candidate series
-under `patches/flashinfer/candidates/` instead of the shipped one.
+The fix is built from the shipped series (`overlay.series_files`); the candidate series that
+lost are in git history (tag `experiments/2026-12-06`), not selectable here.
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
-from .overlay import series_dir
+from .overlay import patches_dir
 from .patchfile import Patch
 
 # The shipped series' evidence: its run folders under the results folder, newest first (the
@@ -39,7 +39,7 @@ def write(out: Path, ps: Sequence[Patch], results: Path) -> list[Path]:
     evidence = evidence_files(results)
     tmp = Path(tempfile.mkdtemp(prefix=".export-", dir=out.parent if out.parent.exists() else None))
     try:
-        base = series_dir()  # the shipped series, or $VLLM_H20_PATCH_SERIES's
+        base = patches_dir() / "flashinfer"  # the shipped series
         for p in sorted(base.glob("*.patch")):
             shutil.copyfile(p, tmp / p.name)
         variants = sorted(d for d in base.glob("v*") if d.is_dir())  # older releases' context

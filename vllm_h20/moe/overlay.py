@@ -17,7 +17,6 @@ from enum import Enum
 from pathlib import Path
 from typing import Any
 
-from .. import settings
 from .._data import shipped_dir
 from .flashinfer_src import FlashInferSource
 from .patchfile import Patch, PatchError, apply_file, read_patch
@@ -51,43 +50,41 @@ class Assessment:
     patched: dict[str, str]  # csrc-relative path -> patched text (NEEDS_PATCH only)
 
 
-SERIES_ENV = "VLLM_H20_PATCH_SERIES"
-
-
-def series_dir(version: str | None = None, project: str = "flashinfer") -> Path:
-    """The patch series for a FlashInfer version: `patches/<project>/v<version>/` when the
-    release needs its own variant of the patches (same change, other context lines), else
-    `patches/<project>/`. `$VLLM_H20_PATCH_SERIES` (e.g. `candidates/fitted-row-tiles`) picks
-    another series under `patches/flashinfer/` instead of the shipped one."""
+def series_files(version: str | None = None, project: str = "flashinfer") -> list[Path]:
+    """The patch files of the series for a FlashInfer version, in order: `patches/<project>/`,
+    each replaced by its namesake in `patches/<project>/v<version>/` where that release needs its
+    own variant (same change, other context lines). Every file lives once: a variant folder
+    holds only the patches that differ."""
     base = patches_dir() / project
-    chosen = settings.raw(SERIES_ENV).strip("/") if project == "flashinfer" else ""
-    if chosen:
-        known = {p.parent.relative_to(base).as_posix() for p in base.glob("candidates/*/*.patch")}
-        if chosen not in known:
-            raise PatchError(
-                f"{SERIES_ENV}={chosen!r} is not a patch series under {base} "
-                f"(one of: {', '.join(sorted(known)) or 'none'})"
-            )
-        base = base / chosen
-    if version:
-        variant = base / f"v{version}"
-        if variant.is_dir():
-            return variant
-    return base
+    variant = base / f"v{version}" if version else None
+    out = []
+    for p in sorted(base.glob("*.patch")):
+        own = variant / p.name if variant is not None else None
+        out.append(own if own is not None and own.is_file() else p)
+    if variant is not None and variant.is_dir():
+        stray = sorted(q.name for q in variant.glob("*.patch") if not (base / q.name).is_file())
+        if stray:
+            raise PatchError(f"{variant}: {', '.join(stray)} replace no patch of {base}")
+    return out
 
 
 def shipped_patches(version: str | None = None, project: str = "flashinfer") -> list[Patch]:
     """The patches shipped with vllm-h20 for a FlashInfer version, in order."""
-    folder = series_dir(version, project)
-    out = [read_patch(p) for p in sorted(folder.glob("*.patch"))]
+    out = [read_patch(p) for p in series_files(version, project)]
     if not out:
-        raise PatchError(f"no {project} patches found in {folder}")
+        raise PatchError(f"no {project} patches found in {patches_dir() / project}")
     return out
 
 
 def series_name(version: str | None = None, project: str = "flashinfer") -> str:
-    """How the log line names the series: its folder under patches/."""
-    return series_dir(version, project).relative_to(patches_dir()).as_posix()
+    """How the log line names the series: its folder under patches/, and the release's own
+    variant folder where it has one."""
+    base = patches_dir() / project
+    variant = base / f"v{version}" if version else None
+    name = base.relative_to(patches_dir()).as_posix()
+    if variant is not None and any(variant.glob("*.patch")):
+        return f"{name} (+ {variant.relative_to(patches_dir()).as_posix()})"
+    return name
 
 
 def patches_dir() -> Path:

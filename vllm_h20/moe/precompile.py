@@ -75,10 +75,6 @@ PLANNER = r"""
 #include <string>
 #include "tensorrt_llm/deep_gemm/compiler.cuh"
 
-// 1: the headers run both row classes of a split in one launch where one_launch_fits
-// (candidates/one-launch); 0: two launches (the shipped series).
-#define ONE_LAUNCH_PLAN %(one_launch)d
-
 using namespace deep_gemm;       // GemmType, kAnyRows
 using namespace deep_gemm::jit;  // RowClass, gemm_type_to_string, as inside Compiler::build
 
@@ -90,11 +86,7 @@ static std::string cache_name(uint32_t const shape_n, uint32_t const shape_k,
                               uint32_t const block_m, uint32_t const block_n,
                               uint32_t const block_k, uint32_t const num_groups,
                               uint32_t const num_stages, uint32_t const num_tma_multicast,
-                              GemmType const gemm_type, bool swapAB, RowClass const rows
-#if ONE_LAUNCH_PLAN
-                              , ColdShape const& cold = {}
-#endif
-) {
+                              GemmType const gemm_type, bool swapAB, RowClass const rows) {
   %(name)s
   return name;
 }
@@ -102,19 +94,17 @@ static std::string cache_name(uint32_t const shape_n, uint32_t const shape_k,
 static std::set<std::string> seen;
 
 // One kernel a launch compiles, written once: its cache name and generateKernel's source, for
-// a config get_best_gemm_config chose (and, for a one-launch split, the cold class's shape).
-template <typename... Cold>
+// a config get_best_gemm_config chose.
 static void write_kernel(char const* out, uint32_t n, uint32_t k, uint32_t groups,
-                         deep_gemm::jit::GemmConfig const& config, bool swap, RowClass rows,
-                         Cold const&... cold) {
+                         deep_gemm::jit::GemmConfig const& config, bool swap, RowClass rows) {
   auto const [bm, bn, stages, multicast, smem] = config;
   (void)smem;
   std::string name = cache_name(n, k, bm, bn, 128, groups, stages, multicast,
-                                GemmType::GroupedWithOffset, swap, rows, cold...);
+                                GemmType::GroupedWithOffset, swap, rows);
   if (!seen.insert(name).second) return;
   std::ofstream(std::string(out) + "/" + name + ".cu")
       << deep_gemm::jit::generateKernel(n, k, bm, bn, 128, groups, stages, multicast,
-                                        GemmType::GroupedWithOffset, swap, rows, cold...);
+                                        GemmType::GroupedWithOffset, swap, rows);
   std::printf("%%s\n", name.c_str());
 }
 
@@ -126,22 +116,6 @@ static void emit(char const* out, uint32_t n, uint32_t k, uint32_t groups, int s
                swap, rows);
 }
 
-#if ONE_LAUNCH_PLAN
-// A split's one launch (fp8_gemm_kernel_dual) where one_launch_fits, as grouped_gemm_dispatch's
-// run_both makes it; false: the split's two launches.
-static bool emit_one_launch(char const* out, uint32_t n, uint32_t k, uint32_t groups, int sms,
-                            RowClassPlan const& plan) {
-  auto const hot = deep_gemm::jit::get_best_gemm_config(plan.hot_m, n, k, groups, sms);
-  auto const cold =
-      deep_gemm::jit::get_best_gemm_config(n, plan.cold_m, k, groups, sms, false, true);
-  if (!one_launch_fits(hot, cold, sms)) return false;
-  ColdShape const shape{static_cast<uint32_t>(std::get<0>(cold)),
-                        static_cast<uint32_t>(std::get<1>(cold)),
-                        static_cast<uint32_t>(std::get<2>(cold)), {1, plan.boundary}};
-  write_kernel(out, n, k, groups, hot, false, {plan.boundary + 1, deep_gemm::kAnyRows}, shape);
-  return true;
-}
-#endif
 
 // argv: out_dir n k groups expert_slots sms top_k min_tokens max_tokens
 // As grouped_gemm_dispatch does for the MoE runner (max_m_per_problem = num_rows), for every
@@ -169,9 +143,6 @@ int main(int argc, char** argv) {
     } else if (rows <= kNarrowRegularRows && kNarrowRegularRows <= ridge) {
       emit(out, n, k, groups, sms, rows, false, {});
     } else {
-#if ONE_LAUNCH_PLAN
-      if (emit_one_launch(out, n, k, groups, sms, plan)) continue;
-#endif
       emit(out, n, k, groups, sms, plan.hot_m, false, {plan.boundary + 1, deep_gemm::kAnyRows});
       emit(out, n, k, groups, sms, plan.cold_m, true, {1, plan.boundary});
     }
@@ -257,20 +228,13 @@ def planner_source(csrc: Path) -> str:
     except ValueError:
         raise PrecompileError(
             f"{csrc / KERNEL_CUH}: no plan_row_classes; these headers are not the shipped "
-            f"per-expert fix (kernels precompile plans the shipped series only: unset "
-            f"VLLM_H20_PATCH_SERIES)"
+            f"per-expert fix (kernels precompile plans the shipped series only)"
         ) from None
     compiler = (csrc / COMPILER_CUH).read_text()
     m = re.search(r"std::string name = .*?;\n", compiler, re.S)
     if m is None or "rows.tag()" not in m.group(0):
         raise PrecompileError(f"{csrc / COMPILER_CUH}: no row-class kernel name in Compiler::build")
-    # candidates/one-launch: the split is one dual launch where one_launch_fits, named with it
-    one_launch = "one_launch_fits(" in plan
-    if one_launch and "cold.tag()" not in m.group(0):
-        raise PrecompileError(
-            f"{csrc / COMPILER_CUH}: no one-launch kernel name in Compiler::build"
-        )
-    return PLANNER % {"plan": plan, "name": m.group(0).strip(), "one_launch": int(one_launch)}
+    return PLANNER % {"plan": plan, "name": m.group(0).strip()}
 
 
 def flags_drift(csrc: Path) -> list[str]:
