@@ -59,6 +59,7 @@ def test_wheel_ships_rules_patches_and_the_plugin(tmp_path):
     prefix = "vllm_h20/patches/flashinfer/"
     assert sorted(n[len(prefix) :] for n in names if n.endswith(".patch")) == shipped
     assert not any("candidates" in n for n in names)  # the series that lost: git history only
+    assert "vllm_h20/patches/flashinfer/reproduce_expected_m.py" in names  # `patches export`
     assert "vllm_h20/rules/deepseek_v41_flash.yaml" in names
     assert "vllm_h20/plugin.py" in names
     assert "vllm_h20/recipes/deepseek-v41-flash-fp8-tp8ep8.yaml" in names

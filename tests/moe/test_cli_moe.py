@@ -70,6 +70,12 @@ def test_patches_export_writes_patches_pr_text_and_evidence(tmp_path):
     assert r.returncode == 0, r.stderr
     pr = (tmp_path / "pr0" / "PR.md").read_text()
     assert pr.startswith("# fused_moe: ") and "Not measured yet" in pr
+    issue = (tmp_path / "pr0" / "ISSUE.md").read_text()
+    assert issue.startswith("# SM90 FP8 block-scale CUTLASS fused MoE chooses its DeepGEMM")
+    assert "`expected_m_ = shape_m;`" in issue and "No kernel-level run was found" in issue
+    assert "| 288 | regular | 5 | swap_ab |" in issue  # the rule on H20, from the reproducer
+    shipped = ROOT / "patches" / "flashinfer" / "reproduce_expected_m.py"
+    assert (tmp_path / "pr0" / "reproduce_expected_m.py").read_bytes() == shipped.read_bytes()
     assert "<measured" not in pr  # the placeholder in the commit message is replaced
     run = results / "moe_dispatch" / "hot-first-h200"
     (run / "repeats").mkdir(parents=True)

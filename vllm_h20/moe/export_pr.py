@@ -1,8 +1,12 @@
-"""`patches export`: the shipped patch series and its measured evidence laid out for an upstream
-pull request (patch files for `git am`, PR.md, the evidence files)."""
+"""`patches export`: the shipped patch series and its measured evidence laid out for upstream: the
+patch files for `git am`, PR.md (the pull request's description), ISSUE.md (the bug report a
+maintainer reads first: symptom, the line, a reproducer, the numbers), the reproducer itself
+(`reproduce_expected_m.py`, FlashInfer and torch only) and the evidence files."""
 
 from __future__ import annotations
 
+import importlib.util
+import json
 import os
 import shutil
 import tempfile
@@ -20,6 +24,19 @@ from .patchfile import Patch
 EVIDENCE_ROOT = "moe_dispatch"
 EVIDENCE_DIRS = ("last-tile-h100", "hot-first-h200")
 EVIDENCE = ("README.md", "repeats/README.md", "*_h200.json", "*_h100.json", "*.png")
+REPRODUCER = "reproduce_expected_m.py"  # beside the series in patches/flashinfer/
+# What each evidence run measured, where it is not the series as shipped.
+RUN_NOTES = {"hot-first-h200": "the same dispatch before its row-class kernels stopped at the "
+             "launch's last tile"}  # fmt: skip
+# Where the bug is (FlashInfer 0.6.14 to 0.7.4, read in each release's sources).
+BUG_FILE = (
+    "csrc/nv_internal/tensorrt_llm/kernels/cutlass_kernels/fp8_blockscale_gemm/"
+    "fp8_blockscale_gemm.cu"
+)
+RULE_FILE = (
+    "csrc/nv_internal/tensorrt_llm/kernels/cutlass_kernels/fp8_blockscale_gemm/"
+    "fp8_blockscale_gemm_kernel.cuh"
+)
 
 
 def evidence_files(results: Path) -> list[Path]:
@@ -55,6 +72,8 @@ def write(out: Path, ps: Sequence[Patch], results: Path) -> list[Path]:
             shutil.copyfile(e, tmp / "evidence" / name)
         text = pr_text(ps, evidence, [v.name for v in variants], names)
         (tmp / "PR.md").write_text(text, encoding="utf-8")
+        shutil.copyfile(base / REPRODUCER, tmp / REPRODUCER)
+        (tmp / "ISSUE.md").write_text(issue_text(base / REPRODUCER, evidence), encoding="utf-8")
         out.parent.mkdir(parents=True, exist_ok=True)
         if out.exists():
             out.rmdir()
@@ -97,3 +116,107 @@ def pr_text(
         title = (names or {}).get(e, e.name).removesuffix(".md")
         parts += [f"### {title}", "", e.read_text(encoding="utf-8").strip(), ""]
     return "\n".join(parts).rstrip() + "\n"
+
+
+def _reproducer(path: Path):
+    spec = importlib.util.spec_from_file_location("reproduce_expected_m", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _measured(evidence: list[Path]) -> list[str]:
+    """Lines of numbers from the kernel-level runs among the evidence (the device each ran on,
+    the shipped fix against stock), or a line saying none was found."""
+    out = []
+    for f in evidence:
+        if not f.name.startswith("kernel_") or f.suffix != ".json":
+            continue
+        try:
+            doc = json.loads(f.read_text())
+            rows = [r for r in doc["ab"] if "speedup" in r]
+            device = doc["device"]["name"]
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+        if not rows:
+            continue
+        worst = min(rows, key=lambda r: r["speedup"])
+        uni = [r["speedup"] for r in rows
+               if r["routing"] == "uniform" and 128 <= r["tokens"] <= 2048]  # fmt: skip
+        note = f", {RUN_NOTES[f.parent.name]}" if f.parent.name in RUN_NOTES else ""
+        ok = sum(r["speedup"] >= 0.98 for r in rows)
+        line = (f"- {device} (`{f.parent.name}`{note}): {ok} of {len(rows)} routing x token "
+                f"cases at or above 0.98x of the stock choice, worst {worst['speedup']:.3f}x "
+                f"({worst['routing']}, {worst['tokens']} tokens)")  # fmt: skip
+        if uni:
+            line += f"; uniform routing at 128-2,048 tokens {min(uni):.2f}-{max(uni):.2f}x"
+        out.append(line + ".")
+    return out or ["- No kernel-level run was found beside the patches when this was exported."]
+
+
+ISSUE = """\
+# SM90 FP8 block-scale CUTLASS fused MoE chooses its DeepGEMM kernel from the token \
+count, not the rows each expert gets
+
+## Symptom
+
+`cutlass_fused_moe(..., use_deepseek_fp8_block_scale=True)` with expert parallelism
+(DeepSeek-V3/V4-style models on EP8) runs the regular grouped GEMM, tiled on M in 64- or 128-row
+tiles, for steps of 64 tokens and more on H20 (32 and more elsewhere), although each local expert
+then holds a handful of rows: 5 on average at 288 tokens for 384 experts, top-6, EP8. The tiles
+are padded with MMA work for rows that do not exist; on H20, whose FP8 tensor rate is low next to
+its memory bandwidth, that padding sets the time. The swap-A/B kernel that would read each
+expert's weights once at those rows is only taken below the threshold.
+
+## Where
+
+- `{bug_file}`, `CutlassFp8BlockScaleGemmRunner::getWorkspaceSize(shape_m, shape_n, shape_k,
+  top_k, num_problems)`: `expected_m_ = shape_m;` (the step's token count; the MoE runner passes
+  `num_rows`).
+- `{rule_file}`, `grouped_gemm_dispatch`: `m_per_expert_threshold = num_device_sms == 78 ? 64 :
+  32`, the regular kernel when `expected_m >= m_per_expert_threshold`.
+- Present in flashinfer-python 0.6.14, 0.6.18.post1, 0.7.2.post1 and 0.7.4 (read in each
+  release's sources).
+
+## Reproducer
+
+`{reproducer}` (FlashInfer and torch only) times one EP rank's op per token count and prints the
+time over the weight-streaming floor; `--dry-run` prints the choices below without a GPU:
+
+    python {reproducer}          # DeepSeek-V4.1-Flash expert shapes, EP8 rank 0
+    python {reproducer} --dry-run --sms 78
+
+{tables}
+## Numbers
+
+The fix proposed in the accompanying pull request (the average rows per expert for
+`expected_m`, then a per-expert choice on the device) against the stock choice, every EP8 rank's
+grouped GEMMs in CUDA graphs (median of 24 samples of the slowest rank), outputs checked against
+an fp32 reference:
+
+{measured}
+
+Not measured by us on H20: the write-up this work started from reports, on 8xH20 with EP8,
+1.808 -> 0.564 ms (3.21x) at 288 uniform tokens for the average-rows estimate alone.
+"""
+
+
+def issue_text(reproducer: Path, evidence: list[Path]) -> str:
+    """ISSUE.md: what a FlashInfer maintainer needs to see the bug without vllm-h20."""
+    rep = _reproducer(reproducer)
+    args = rep.parse(["--dry-run"])
+    tables = []
+    for sms, gpu in ((78, "H20 (78 SMs)"), (132, "H100/H200 (132 SMs)")):
+        tables += [
+            f"On {gpu}, threshold {rep.swap_threshold(sms)}:",
+            "",
+            "| tokens | stock kernel (expected_m = tokens) | rows per expert | kernel for them |",
+            "|---:|---|---:|---|",
+        ]
+        for r in rep.plan(args, sms):
+            tables.append(f"| {r['tokens']} | {r['stock_kernel']} | {r['rows_per_expert']} | "
+                          f"{r['kernel_for_rows']} |")  # fmt: skip
+        tables.append("")
+    measured = "\n".join(_measured(evidence))
+    return ISSUE.format(bug_file=BUG_FILE, rule_file=RULE_FILE, reproducer=REPRODUCER,
+                        tables="\n".join(tables), measured=measured)  # fmt: skip
