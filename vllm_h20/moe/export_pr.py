@@ -103,7 +103,8 @@ def pr_text(
         parts += [body, ""]
     if variants:
         parts += [
-            "The same change for older releases (other context lines only), for a backport: "
+            "For a backport to older releases, their own copies of the patches whose context "
+            "lines differ (the others apply as they are): "
             + ", ".join(f"`{v}/`" for v in variants)
             + ".",
             "",

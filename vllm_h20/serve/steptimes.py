@@ -128,10 +128,22 @@ def _begin(runner: Any, scheduler_output: Any) -> dict:
     return state
 
 
+def _wrap_sample(Runner: Any, log: StepLog) -> None:
+    """Both runners end a step in sample_tokens: its GPU work is the step's last."""
+    sample = Runner.sample_tokens
+
+    def sample_tokens(self, *args, **kwargs):
+        out = sample(self, *args, **kwargs)
+        _finish(log, self)
+        return out
+
+    Runner.sample_tokens = sample_tokens
+
+
 def _wrap_v1(Runner: Any, log: StepLog) -> None:
     import torch
 
-    execute, forward, sample = Runner.execute_model, Runner._model_forward, Runner.sample_tokens
+    execute, forward = Runner.execute_model, Runner._model_forward
 
     def execute_model(self, scheduler_output, *args, **kwargs):
         _begin(self, scheduler_output)
@@ -152,20 +164,15 @@ def _wrap_v1(Runner: Any, log: StepLog) -> None:
         state["events"] = (start, _event())
         return out
 
-    def sample_tokens(self, *args, **kwargs):
-        out = sample(self, *args, **kwargs)
-        _finish(log, self)
-        return out
-
     Runner.execute_model = execute_model
     Runner._model_forward = model_forward
-    Runner.sample_tokens = sample_tokens
+    _wrap_sample(Runner, log)
 
 
 def _wrap_v2(Runner: Any, log: StepLog) -> None:
     import torch
 
-    execute, sample = Runner.execute_model, Runner.sample_tokens
+    execute = Runner.execute_model
 
     def execute_model(self, scheduler_output, *args, **kwargs):
         # execute_model(scheduler_output, intermediate_tensors=None, dummy_run=False, ...)
@@ -184,13 +191,8 @@ def _wrap_v2(Runner: Any, log: StepLog) -> None:
             _finish(log, self)
         return out
 
-    def sample_tokens(self, *args, **kwargs):
-        out = sample(self, *args, **kwargs)
-        _finish(log, self)
-        return out
-
     Runner.execute_model = execute_model
-    Runner.sample_tokens = sample_tokens
+    _wrap_sample(Runner, log)
 
 
 def install(directory: Path) -> bool:
