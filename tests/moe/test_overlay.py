@@ -132,7 +132,7 @@ def test_a_release_variant_replaces_only_the_patches_that_differ(tmp_path, monke
     assert [p.name for p in old] == names
     assert old[0].parent.name == "v0.6.14" and all(p.parent == base for p in old[1:])
     assert overlay.series_files("0.7.4") == sorted(base.glob("*.patch"))
-    assert overlay.series_name("0.6.14") == "flashinfer (+ flashinfer/v0.6.14)"
+    assert overlay.series_name("0.6.14") == "flashinfer/v0.6.14"
     assert overlay.series_name("0.7.4") == "flashinfer"
     fake = tmp_path / "patches"
     shutil.copytree(overlay.patches_dir(), fake)

@@ -474,7 +474,10 @@ def check(fi_path, do_compile, jobs, workdir, as_json) -> None:
         "flashinfer_dir": str(src.package_dir),
         "supported": dispatch.supported(src.version),
         "series": series,
-        "patches": [f"{series}/{p.name}" for p in ps],
+        "patches": [
+            f.relative_to(overlay.patches_dir()).as_posix()
+            for f in overlay.series_files(src.version)
+        ],
         "state": a.state.value,
         "detail": a.detail,
     }

@@ -77,14 +77,12 @@ def shipped_patches(version: str | None = None, project: str = "flashinfer") -> 
 
 
 def series_name(version: str | None = None, project: str = "flashinfer") -> str:
-    """How the log line names the series: its folder under patches/, and the release's own
-    variant folder where it has one."""
+    """How the log line names the series: the release's own variant folder under patches/
+    where it has one (its other patches come from the series itself), else the series'."""
     base = patches_dir() / project
     variant = base / f"v{version}" if version else None
-    name = base.relative_to(patches_dir()).as_posix()
-    if variant is not None and any(variant.glob("*.patch")):
-        return f"{name} (+ {variant.relative_to(patches_dir()).as_posix()})"
-    return name
+    folder = variant if variant is not None and any(variant.glob("*.patch")) else base
+    return folder.relative_to(patches_dir()).as_posix()
 
 
 def patches_dir() -> Path:
