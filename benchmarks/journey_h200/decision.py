@@ -19,9 +19,9 @@ the runs left out) and `decision.md` (the table, beside the seed's 8xH20 numbers
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import math
-import re
 import sys
 from collections import defaultdict
 from pathlib import Path
@@ -78,16 +78,26 @@ class DecisionError(ValueError):
     """Input that cannot make a decision table; the message names the file."""
 
 
+def _serve_report():
+    """benchmarks/serve_h200/report.py, which renders the lease folders (loaded under its own
+    name: other benchmark folders have a report.py too)."""
+    spec = importlib.util.spec_from_file_location(
+        "serve_h200_report", HERE.parent / "serve_h200" / "report.py"
+    )
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
 def gpu_of(lease: Path) -> str:
-    smi = lease / "logs" / "nvidia-smi.txt"
-    m = re.search(r"NVIDIA (H\d+)", smi.read_text(errors="replace")) if smi.is_file() else None
-    return m.group(1) if m else "unknown GPU"
+    """The lease's GPU model as report.py reads it from collect's nvidia-smi.txt."""
+    return _serve_report().gpu_of(lease / "logs" / "nvidia-smi.txt") or "unknown GPU"
 
 
 def lease_runs(lease: Path) -> tuple[list[dict], list[dict]]:
     """(kept, excluded) runs of every decision sweep in one lease folder."""
     sweeps = lease / "sweeps"
-    found = [p for p in sorted(sweeps.glob("*/sweep.json"))] if sweeps.is_dir() else []
+    found = sorted(sweeps.glob("*/sweep.json")) if sweeps.is_dir() else []
     kept, excluded = [], []
     logs = lease / "logs"
     times = stalls.compile_times(logs)

@@ -182,6 +182,12 @@ class MoeShape:
         return [(2 * self.inter, self.hidden), (self.hidden, self.inter)]
 
 
+def auto_redundant(experts: int, ep: int) -> int:
+    """vLLM 0.34's `ParallelConfig.compute_eplb_num_redundant_experts`: the fewest EPLB replicas
+    that make experts + replicas divide by the EP size (`plan` and `serve` use it too)."""
+    return (ep - experts % ep) % ep
+
+
 def shape_from_config(config: Path, ep_size: int = 1, redundant: int | None = 0) -> MoeShape:
     """A DeepSeek V3/V4-style config.json -> the MoE shape (one-line errors). redundant None:
     EPLB's replica count left to vLLM 0.34, the fewest that spread the experts evenly."""
@@ -194,8 +200,9 @@ def shape_from_config(config: Path, ep_size: int = 1, redundant: int | None = 0)
     missing = [k for k in keys if not isinstance(cfg.get(k), int)]
     if missing:
         raise PrecompileError(f"{config}: no integer {missing[0]}: not a DeepSeek-style MoE config")
-    if redundant is None:
-        redundant = (ep_size - cfg["n_routed_experts"] % ep_size) % max(ep_size, 1)
+    if redundant is None and ep_size >= 1:
+        redundant = auto_redundant(cfg["n_routed_experts"], ep_size)
+    redundant = redundant or 0
     shape = MoeShape(*(cfg[k] for k in keys), ep_size=ep_size, redundant=redundant)
     if ep_size < 1 or (shape.experts + redundant) % ep_size:
         raise PrecompileError(

@@ -16,6 +16,7 @@ from pathlib import Path
 
 from ..convert.plan import INDEX
 from ..convert.safetensors_io import read_header
+from ..moe.precompile import auto_redundant
 from .recipe import GPUS_PER_NODE, Recipe, RecipeError
 
 GIB = 1 << 30
@@ -132,7 +133,7 @@ def parallelism(parsed: dict) -> tuple[int, int, int, int | None]:
     """(TP, DP, EP, EPLB's redundant experts) as vLLM reads them from a recipe: experts are
     spread over TP x DP ranks when expert parallelism is on, replicas only with EPLB. None:
     EPLB on and the count left unset, which vLLM 0.34 fills with the fewest that spread the
-    experts evenly (`auto_redundant`); 0.33 read an unset count as 0."""
+    experts evenly (`moe.precompile.auto_redundant`); 0.33 read an unset count as 0."""
     tp = int(parsed.get("tensor_parallel_size") or 1)
     dp = int(parsed.get("data_parallel_size") or 1)
     ep = tp * dp if parsed.get("enable_expert_parallel") else 1
@@ -140,12 +141,6 @@ def parallelism(parsed: dict) -> tuple[int, int, int, int | None]:
         return tp, dp, ep, 0
     n = parsed.get("num_redundant_experts")
     return tp, dp, ep, None if n is None else int(n)
-
-
-def auto_redundant(experts: int, ep: int) -> int:
-    """vLLM 0.34's `ParallelConfig.compute_eplb_num_redundant_experts`: the fewest replicas
-    that make experts + replicas divide by the EP size."""
-    return (ep - experts % ep) % ep
 
 
 def memory_utilization(parsed: dict) -> float:
