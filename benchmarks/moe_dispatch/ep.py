@@ -43,12 +43,57 @@ sys.path.insert(0, str(HERE))
 
 import cases  # noqa: E402
 import run as single  # noqa: E402
+import spec  # noqa: E402
 from expected_m import per_expert_expected_m  # noqa: E402
 from harness import SAMPLES, WARMUPS, graph_of, log, rel, unpack_flashinfer, write_json  # noqa: E402
 
-VARIANTS = ("stock", "patched")  # the builds (run.py's builder: stock and patched sources)
-# The columns, in run.py's vocabulary: stock and fix (the patched build's per-expert dispatch).
-VERSIONS = ("stock", "fix")
+# The builds (run.py's builder, spec.yaml's versions): stock and the shipped series.
+VARIANTS = ("stock", "fix")
+VERSIONS = VARIANTS
+
+
+def builds() -> dict:
+    """run.py's Build of each variant, from the default spec."""
+    return {k: v for k, v in single.builds_of(spec.load()).items() if k in VARIANTS}
+
+
+class RankCase:
+    """One rank's FC1 + FC2 for one routing/token count in one build (stock or the fix)."""
+
+    def __init__(self, gpu, module, tokens: int, counts: np.ndarray, expected_m: int, seed: int):
+        import torch
+
+        self.module, self.gpu, self.counts = module, gpu, counts
+        self.rows = int(counts.sum())
+        cap = max(tokens * cases.TOP_K, 4)
+        self.off = torch.tensor(cases.offsets(counts), device="cuda")
+        g = torch.Generator(device="cuda").manual_seed(seed)
+        self.a, self.out, self.gemms = {}, {}, {}
+        for s in cases.SHAPES:
+            self.a[s.name] = torch.randn(cap, s.k, generator=g, device="cuda").to(torch.bfloat16)
+            self.out[s.name] = torch.full((cap, s.n), float("nan"), dtype=torch.bfloat16,
+                                          device="cuda")  # fmt: skip
+            self.gemms[s.name] = module.mod.GroupedGemm(tokens, s.n, s.k, cases.TOP_K,
+                                                        cases.LOCAL, expected_m)  # fmt: skip
+        ws = max(gg.workspace_bytes for gg in self.gemms.values())
+        self.ws = torch.empty(max(ws, 1), dtype=torch.uint8, device="cuda")
+
+    def __call__(self):
+        self.module.enter()
+        for s in cases.SHAPES:
+            self.gemms[s.name].run(self.out[s.name], self.a[s.name], self.gpu.w[s.name],
+                                   self.gpu.ws[s.name], self.off, self.ws)  # fmt: skip
+
+    def check(self) -> dict[str, float]:
+        errs = {}
+        for s in cases.SHAPES:
+            got = self.out[s.name][: self.rows]
+            if self.rows:
+                ref = self.gpu.reference(s, self.a[s.name][: self.rows], self.counts)
+                errs[s.name] = rel(got, ref)
+            else:
+                errs[s.name] = 0.0
+        return errs
 
 
 def case_list(quick: bool) -> list[tuple[str, int]]:
@@ -85,7 +130,7 @@ def warm_jobs() -> list[tuple[str, int, int, int]]:
     for t in cases.TOKENS:
         for si in range(len(cases.SHAPES)):
             jobs.add(("stock", si, t, t))
-            jobs.add(("patched", si, t, per_expert_expected_m(t, cases.TOP_K, cases.LOCAL,
+            jobs.add(("fix", si, t, per_expert_expected_m(t, cases.TOP_K, cases.LOCAL,
                                                               cases.EP)))  # fmt: skip
     return sorted(jobs)
 
@@ -94,12 +139,11 @@ def _warm_child(args) -> int:
     data, work, jobs = args
     import torch
 
-    mods = {v: single.load_built(Path(work), v) for v in VARIANTS}
-    for variant, si, num_rows, em in jobs:
-        # Each build's own DeepGEMM headers (the patched ones have row classes).
-        mods[variant].set_include_dirs([single.deepgemm_dir(Path(data), Path(work), variant)])
-        single.warm_gemm(mods[variant], si, num_rows, cases.TOP_K, em)()
-        torch.cuda.synchronize()
+    fam = cases.V41_EP8
+    tagged = [(v, False, fam.name, si, num_rows, em, 0) for v, si, num_rows, em in jobs]
+    spec_json = {"families": [{**vars(fam), "local": fam.local}]}
+    single._warm_child((data, work, spec_json, builds(), tagged))
+    torch.cuda.synchronize()
     return len(jobs)
 
 
@@ -147,8 +191,8 @@ def run_case(gpu, mods, routing: str, tokens: int, rank: int) -> dict:
     row_w = torch.tensor(weights[tok, pos], device="cuda").unsqueeze(1)
     fixed = per_expert_expected_m(tokens, cases.TOP_K, cases.LOCAL, cases.EP)
     rc = {
-        "stock": single.RankCase(gpu, mods["stock"], tokens, counts, tokens, seed=rank),
-        "fix": single.RankCase(gpu, mods["patched"], tokens, counts, fixed, seed=rank),
+        "stock": RankCase(gpu, mods["stock"], tokens, counts, tokens, seed=rank),
+        "fix": RankCase(gpu, mods["fix"], tokens, counts, fixed, seed=rank),
     }
     nrows = int(counts.sum())
     outs = {v: torch.empty(tokens, fc2.n, dtype=torch.bfloat16, device="cuda") for v in rc}
@@ -207,8 +251,8 @@ def rank_main(rank: int, world: int, args, port: int, results: str) -> None:
     dist.init_process_group("nccl", rank=rank, world_size=world,
                             device_id=torch.device("cuda", rank))  # fmt: skip
     data = unpack_flashinfer(args.flashinfer, args.work)
-    mods = {v: single.load_built(args.work, v) for v in VARIANTS}
-    gpu = single.Gpu(mods, data, args.work, seed=rank)
+    mods = {v: single.Module(data, args.work, b) for v, b in builds().items()}
+    gpu = single.Gpu(torch, cases.V41_EP8, seed=rank)
     rows_out = []
     for routing, tokens in case_list(args.quick):
         rows_out.append(run_case(gpu, mods, routing, tokens, rank))
@@ -370,9 +414,8 @@ def main() -> None:
     if not args.flashinfer or not args.out:
         ap.error("--flashinfer and --out are required")
     args.out.mkdir(parents=True, exist_ok=True)
-    args.work = single.work_for(args.work, "", args.flashinfer.name)  # the shipped series' now
+    args.work = single.work_for(args.work, single.builds_of(spec.load()), args.flashinfer.name)
     args.work.mkdir(parents=True, exist_ok=True)
-    os.environ.setdefault("TRTLLM_DG_CACHE_DIR", str(args.work / "deepgemm"))
     os.environ.setdefault("TRTLLM_DG_NVCC_COMPILER", shutil.which("nvcc") or "nvcc")
     os.environ.setdefault("MAX_JOBS", str(args.jobs))
     t_start = time.time()
@@ -380,7 +423,8 @@ def main() -> None:
     data = unpack_flashinfer(args.flashinfer, args.work)
     t0 = time.time()
     with cf.ProcessPoolExecutor(len(VARIANTS)) as pool:
-        list(pool.map(single._build_in_child, [(str(data), str(args.work), v) for v in VARIANTS]))
+        list(pool.map(single._build_in_child, [(str(data), str(args.work), b)
+                                              for b in builds().values()]))  # fmt: skip
     result["phases"]["build_s"] = time.time() - t0
     log(f"built {VARIANTS} in {result['phases']['build_s']:.0f} s")
 

@@ -3,29 +3,26 @@
 # in /tmp/moe-session, or $MOE_SESSION (the repository copy a call runs in is replaced by the
 # next call's):
 #
-#   benchmarks/moe_dispatch/h200.sh smoke   # copy the repo, build, a few cases of each kind (~3 min);
-#                                           # on success start `full` in the background (setsid)
+#   benchmarks/moe_dispatch/h200.sh smoke   # copy the repo, build, a few cases of two families
+#                                           # (~3 min); on success start `full` in the background
 #   benchmarks/moe_dispatch/h200.sh start   # copy the repo and start `full` without the smoke
-#   benchmarks/moe_dispatch/h200.sh full    # kernel-level A/B (every routing x token count),
-#                                           # H20 emulations, a re-run of the concentrated
-#                                           # routings, fused op (A/B + FlashInfer's tests);
-#                                           # STEPS="fused stock_tests" runs only those, and
-#                                           # STEPS="explore ..." adds run.py --explore on
-#                                           # the shipped series over
-#                                           # EXPLORE_ROUTINGS x EXPLORE_TOKENS, first, and
-#                                           # STEPS="profile ..." the same with --profile over
-#                                           # PROFILE_ROUTINGS x PROFILE_TOKENS (where the time
-#                                           # goes, kernel by kernel); PROFILE=1 profiles the
-#                                           # re-run too, RERUN_TOKENS limits it; exits
-#                                           # non-zero when a step failed (session log: each
-#                                           # step's exit status)
+#   benchmarks/moe_dispatch/h200.sh full    # the steps, in order: kernel (run.py over spec.yaml:
+#                                           # every family x routing x token count), emulated
+#                                           # (spec-h20.yaml at 78 SMs on all SMs, 40 and 20 CTAs,
+#                                           # with --calibrate), rerun (the concentrated routings
+#                                           # again), fused (the fused op: A/B + FlashInfer's tests),
+#                                           # stock_tests; STEPS picks some ("profile" adds run.py
+#                                           # --profile over PROFILE_ROUTINGS x PROFILE_TOKENS);
+#                                           # FAMILIES, ROUTINGS, TOKENS narrow kernel and rerun
+#                                           # (run.py's --families, --routings, --tokens); SPEC
+#                                           # names another spec (a candidate's). Exits non-zero
+#                                           # when a step failed (session log: each step's status)
 #   benchmarks/moe_dispatch/h200.sh wait S  # follow the background run for up to S seconds
 #   benchmarks/moe_dispatch/h200.sh collect OUT   # what exists so far, as <= 8 files, into OUT
 #
-# The shipped series (patches/flashinfer/); the candidate series that lost are measured from
-# the tag experiments/2026-12-06 (check it out: its h200.sh takes SERIES=candidates/NAME).
-# Needs .fi/ (carried): the FlashInfer 0.7.2.post1 source tarball (moe_dispatch/fetch_sources.py)
-# and the FlashInfer 0.6.14 wheels + tests (fused_moe/stage.py).
+# The candidate series that lost are measured from the tag experiments/2026-12-06 (its own
+# run.py). Needs .fi/ (carried): the FlashInfer 0.7.2.post1 source tarball
+# (moe_dispatch/fetch_sources.py) and the FlashInfer 0.6.14 wheels + tests (fused_moe/stage.py).
 set -uo pipefail
 step=${1:?smoke|start|full|wait|collect}
 S=${MOE_SESSION:-/tmp/moe-session}
@@ -42,19 +39,21 @@ copy_repo() {
     rm -rf "$S/repo" && mkdir -p "$S/repo" && cp -a . "$S/repo/" && rm -rf "$S/repo/.build"
 }
 
-# The kernel-level A/B's command (run.py), its builds and DeepGEMM cache kept in $S/work, in one
-# directory per series and state of its patches (run.py's work_for): a later start with a
-# changed patch builds it anew instead of timing the earlier one.
+# The kernel-level A/B's command (run.py), its builds and DeepGEMM caches kept in $S/work, in one
+# directory per state of the spec's patches (run.py's work_for): a later start with a changed
+# patch builds it anew instead of timing the earlier one.
 RUN=(python3 benchmarks/moe_dispatch/run.py --flashinfer .fi/flashinfer-0.7.2.post1-src.tar.xz
      --work "$S/work")
+# The selection kernel and rerun share (empty: the whole spec).
+SEL=(${SPEC:+--spec "$SPEC"} ${FAMILIES:+--families "$FAMILIES"} ${TOKENS:+--tokens "$TOKENS"})
 
 case "$step" in
 smoke)
     copy_repo
     cd "$S/repo" || exit 1
     clocks start
-    timeout 480 "${RUN[@]}" --out "$S/out/smoke" --quick --routings uniform,same_rank,zipf2,pool8 \
-        --no-calibration > "$S/out/smoke.log" 2>&1
+    timeout 480 "${RUN[@]}" --out "$S/out/smoke" --families v4.1-flash-ep8,dsv3-ep8 \
+        --tokens 1,128,3072 --routings uniform,same_rank,zipf2,pool8 > "$S/out/smoke.log" 2>&1
     rc=$?
     tail -n 25 "$S/out/smoke.log"
     if [ $rc -ne 0 ]; then
@@ -80,10 +79,10 @@ full)
     # out before them.
     all_steps="kernel emulated rerun fused stock_tests"
     for name in ${STEPS:-}; do
-        case " explore profile $all_steps " in
+        case " profile $all_steps " in
         *" $name "*) ;;
         *)
-            echo "h200.sh full: unknown step '$name' in STEPS (explore profile $all_steps)" >&2
+            echo "h200.sh full: unknown step '$name' in STEPS (profile $all_steps)" >&2
             exit 2
             ;;
         esac
@@ -102,30 +101,30 @@ full)
         echo "[$(date +%T)] $label: exit $rc"
         [ "$rc" -eq 0 ] || failed=$((failed + 1))
     }
-    run_explore() {
-        timeout 900 python3 benchmarks/moe_dispatch/run.py --flashinfer \
-            .fi/flashinfer-0.7.2.post1-src.tar.xz --work "$S/work" \
-            --explore --no-calibration --out "$S/out/explore" \
-            --routings "${EXPLORE_ROUTINGS:-uniform,zipf,eplb,trained,same_spread,pool8,pool16}" \
-            ${EXPLORE_TOKENS:+--tokens "$EXPLORE_TOKENS"} > "$S/out/explore.log" 2>&1
-    }
     run_profile() {
-        timeout 900 python3 benchmarks/moe_dispatch/run.py --flashinfer \
-            .fi/flashinfer-0.7.2.post1-src.tar.xz --work "$S/work" \
-            --explore --profile --no-calibration --out "$S/out/profile" \
-            --routings "${PROFILE_ROUTINGS:-same_spread,pool16,zipf2,uniform}" \
-            --tokens "${PROFILE_TOKENS:-128,192,288,2048}" > "$S/out/profile.log" 2>&1
+        timeout 900 "${RUN[@]}" "${SEL[@]}" --profile --out "$S/out/profile" \
+            --routings "${PROFILE_ROUTINGS:-uniform,trained,pool16}" \
+            --tokens "${PROFILE_TOKENS:-1024,3072,8192}" > "$S/out/profile.log" 2>&1
     }
-    run_kernel() { timeout 900 "${RUN[@]}" --out "$S/out/kernel" > "$S/out/kernel.log" 2>&1; }
+    run_kernel() {
+        timeout 1800 "${RUN[@]}" "${SEL[@]}" ${ROUTINGS:+--routings "$ROUTINGS"} \
+            --out "$S/out/kernel" > "$S/out/kernel.log" 2>&1
+    }
+    # H20 emulations: spec-h20.yaml's calibration-build versions planning for 78 SMs, on all
+    # SMs and on 40 / 20 CTAs (an H20's FP8 rate), each with the forced-kernel calibration.
     run_emulated() {
-        timeout 600 "${RUN[@]}" --out "$S/out/emulated" --no-main --no-calibration \
-            --emulate "${EMULATE:-all}" > "$S/out/emulated.log" 2>&1
+        local rc=0 grid
+        for grid in ${EMULATE_GRIDS:-78 40 20}; do
+            VLLM_H20_NUM_SMS=78 VLLM_H20_GRID_SMS=$grid timeout 900 "${RUN[@]}" \
+                --spec benchmarks/moe_dispatch/spec-h20.yaml --calibrate \
+                --out "$S/out/emulated/grid$grid" > "$S/out/emulated-grid$grid.log" 2>&1 || rc=$?
+        done
+        return "$rc"
     }
     run_rerun() {
-        timeout 600 "${RUN[@]}" --out "$S/out/kernel-rerun" --no-calibration \
+        timeout 900 "${RUN[@]}" "${SEL[@]}" --out "$S/out/kernel-rerun" \
             --routings "${RERUN_ROUTINGS:-same_rank,same_spread,pool8,pool16,zipf2,zipf,hot}" \
-            ${RERUN_TOKENS:+--tokens "$RERUN_TOKENS"} ${PROFILE:+--profile} \
-            > "$S/out/kernel-rerun.log" 2>&1
+            ${PROFILE:+--profile} > "$S/out/kernel-rerun.log" 2>&1
     }
     fused() { timeout "$1" bash benchmarks/fused_moe/h200.sh "$2" "$S/out/fused"; }
     # FlashInfer's tests run whenever the module built: the A/B's own check failing (its fp32
@@ -138,8 +137,7 @@ full)
         return "$rc"
     } > "$S/out/fused.log" 2>&1
     run_stock_tests() { MODES=stock fused 600 test > "$S/out/fused-stock-tests.log" 2>&1; }
-    run_step explore "explore: other ways to run the shipped split (run.py --explore)"
-    run_step profile "profile: where each way's time goes (run.py --explore --profile)"
+    run_step profile "profile: where each version's time goes (run.py --profile)"
     run_step kernel "kernel-level A/B"
     run_step emulated "H20 emulations"
     run_step rerun "kernel-level A/B again, concentrated routings (the bar's re-run)"
@@ -156,14 +154,14 @@ wait)
         sleep 1
     done
     cat "$S/out/full.log" 2>/dev/null
-    for f in explore profile kernel emulated kernel-rerun fused; do
+    for f in profile kernel emulated-grid78 emulated-grid40 emulated-grid20 kernel-rerun fused; do
         [ -f "$S/out/$f.log" ] && { echo "--- $f.log"; tail -n 4 "$S/out/$f.log"; }
     done
     ;;
 collect)
     OUT=$(realpath -m "${2:?output directory}")
     mkdir -p "$OUT"
-    for part in explore profile kernel kernel-rerun fused emulated smoke; do
+    for part in profile kernel kernel-rerun fused emulated smoke; do
         [ -d "$S/out/$part" ] && tar -czf "$OUT/$part.tgz" -C "$S/out" "$part"
     done
     tar -czf "$OUT/logs.tgz" -C "$S/out" $(cd "$S/out" && ls ./*.log ./*.csv 2>/dev/null)

@@ -48,7 +48,7 @@ def test_warm_jobs_cover_both_builds_for_every_case():
         for si in range(len(cases.SHAPES)):
             assert ("stock", si, t, t) in jobs
             fixed = per_expert_expected_m(t, cases.TOP_K, cases.LOCAL, cases.EP)
-            assert ("patched", si, t, fixed) in jobs
+            assert ("fix", si, t, fixed) in jobs
 
 
 def test_help_runs_without_a_gpu():

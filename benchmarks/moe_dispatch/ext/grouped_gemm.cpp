@@ -1,7 +1,7 @@
 // The grouped FP8 block-scale GEMM exactly as FlashInfer's fused MoE issues it for FC1/FC2:
 // CutlassFp8BlockScaleGemmRunner<bf16, fp8, bf16> from FlashInfer's own
-// fp8_blockscale_gemm.cu (compiled beside this file: stock, patched, or patched + a branch
-// override for the crossover calibration), sized with getWorkspaceSize() the way
+// fp8_blockscale_gemm.cu (compiled beside this file from one version's patched sources, or
+// the calibration build's: the series + calib.patch), sized with getWorkspaceSize() the way
 // CutlassMoeFCRunner::getWorkspaceDeviceBufferSizes() calls it, then moeGemm() on the routed
 // rows laid out per expert (expert_first_token_offset).
 #include <ATen/cuda/CUDAContext.h>
@@ -15,8 +15,7 @@
 
 // deepgemm_setup.cu (CUDA, C++17)
 void vllm_h20_set_include_dirs(std::vector<std::string> const& dirs);
-bool vllm_h20_force_branch_set(int which);
-bool vllm_h20_rule_set(int mode, int split_rows);
+bool vllm_h20_switch(int force, bool single);
 
 using Runner = tensorrt_llm::kernels::fp8_blockscale_gemm::CutlassFp8BlockScaleGemmRunner<
     __nv_bfloat16, __nv_fp8_e4m3, __nv_bfloat16>;
@@ -60,14 +59,11 @@ struct GroupedGemm {
 
 void set_include_dirs(std::vector<std::string> dirs) { vllm_h20_set_include_dirs(dirs); }
 
-void force_branch(int64_t which) {
-  TORCH_CHECK(vllm_h20_force_branch_set(static_cast<int>(which)),
-              "this build has no branch override");
-}
-
-void set_rule(int64_t mode, int64_t split_rows) {
-  TORCH_CHECK(vllm_h20_rule_set(static_cast<int>(mode), static_cast<int>(split_rows)),
-              "this build has no rule override");
+// The calibration build's switches (calib.patch): force = 1 regular, -1 swap-A/B, 0 the
+// dispatch's own; single = one launch chosen from expected_m.
+void set_switches(int64_t force, bool single) {
+  TORCH_CHECK(vllm_h20_switch(static_cast<int>(force), single),
+              "this build has no switches (only the calibration build has)");
 }
 
 bool patched() {
@@ -84,7 +80,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_readonly("workspace_bytes", &GroupedGemm::workspace_bytes)
       .def("run", &GroupedGemm::run);
   m.def("set_include_dirs", &set_include_dirs);
-  m.def("force_branch", &force_branch);
-  m.def("set_rule", &set_rule);
+  m.def("set_switches", &set_switches);
   m.def("patched", &patched);
 }
