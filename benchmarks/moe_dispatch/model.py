@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import cases
 import numpy as np
-from expected_m import fit_n, fitted_tiles, per_expert_expected_m, swap_threshold
+from expected_m import H20_SMS, fit_n, fitted_tiles, per_expert_expected_m, swap_threshold
 
 
 def best_block(shape_m: int, shape_n: int, num_groups: int, sms: int) -> tuple[int, int]:
@@ -389,3 +389,61 @@ def _root(fn, lo: float, hi: float, iters: int = 80) -> float:
         else:
             hi = mid
     return (lo * hi) ** 0.5
+
+
+# ----------------------------------------------------------------------------- a run's fit
+# Datasheet memory bandwidth (TB/s) of the GPUs a run can come from and of H20: the fused op's
+# other kernels (memory-bound) are carried to H20 in this ratio.
+HBM_TBPS = {"h200": 4.8, "h100": 3.35}
+H20_TBPS = 4.0
+H20_OVER_H200_BW = H20_TBPS / HBM_TBPS["h200"]
+
+
+def tag_of(folder) -> str:
+    """The GPU a published run folder's kernel file is named for (kernel_<tag>.json)."""
+    found = sorted(folder.glob("kernel_*.json"))
+    tags = [f.stem.removeprefix("kernel_") for f in found]
+    if len(tags) != 1 or tags[0] not in HBM_TBPS:
+        raise SystemExit(f"{folder}: expected one kernel_<gpu>.json (gpu: {', '.join(HBM_TBPS)})")
+    return tags[0]
+
+
+def fit_run(res: dict) -> tuple[dict, int]:
+    """The model's kernel fits on a 132-SM run of the shipped (hot-first) series: regular and
+    swap-A/B from the single-launch versions (stock, average-only) and the forced sweep, the
+    second launch's fixed cost from the series' own times."""
+    sms = res["device"]["sms"]
+    samples: dict[str, list] = {"regular": [], "swap_ab": []}
+    second = []
+    for r in res["ab"]:
+        slots = cases.route(r["routing"], r["tokens"])
+        for rank in range(cases.EP):
+            counts = cases.rank_counts(slots, rank)
+            for version in ("stock", "avg"):
+                path, terms = rank_terms(counts, r["tokens"], version, sms)
+                samples[path].append((terms, r[f"{version}_rank_median_s"][rank]))
+            plan = row_class_launches(counts, r["tokens"], sms, True)
+            second.append((plan, r["fix_rank_median_s"][rank]))
+    for c in res["calibration"]:
+        shape = next(s for s in cases.SHAPES if s.name == c["gemm"])
+        counts = np.full(cases.LOCAL, c["m"])
+        for path in ("regular", "swap_ab"):
+            samples[path].append(([gemm_terms(counts, shape, c["m"], path, sms)], c[f"{path}_s"]))
+    fits = fit_second({p: fit(s) for p, s in samples.items() if s}, second)
+    return fits, sum(len(s) for s in samples.values())
+
+
+def carried_to_h20(res: dict, folder, fits: dict, tag: str):
+    """The run's fits carried to H20 and calibrated to the seed: the fused op's other kernels
+    (the fused op's stock time over the kernel-level stock time at uniform 288 tokens, both on
+    the run's GPU) on that GPU and on H20 (s), the tensor rate and bandwidth that reproduce the
+    seed's uniform-288 times, and the H20 fits."""
+    import json
+
+    fused = json.loads((folder / f"fused_{tag}.json").read_text())
+    f288 = next(r for r in fused["ab"] if (r["routing"], r["tokens"]) == ("uniform", 288))
+    k288 = next(r for r in res["ab"] if (r["routing"], r["tokens"]) == ("uniform", 288))
+    overhead_gpu = f288["stock_s"] - k288["stock_s"]
+    overhead = overhead_gpu * HBM_TBPS[tag] / H20_TBPS
+    tc, bw = calibrate_to_seed(fits, overhead, H20_SMS)
+    return overhead_gpu, overhead, tc, bw, on_device(fits, tc, bw)

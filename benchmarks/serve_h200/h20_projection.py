@@ -56,14 +56,14 @@ def _load(path: Path, name: str):
 def h20_moe(rr, run: Path = KERNEL_RUN) -> tuple[dict, float, Callable[[str, int, str], float]]:
     """The H20 model's calibrated tensor rate and bandwidth, the fused op's other kernels on H20
     (s), and a predictor (routing, tokens, version) -> seconds of the fused op's slowest rank,
-    from report_run.py's (`rr`) fit of the kernel-level run."""
+    from model.py's (`rr`) fit of the kernel-level run."""
     tag = rr.tag_of(run)
     res = json.loads((run / f"kernel_{tag}.json").read_text())
     fits, _ = rr.fit_run(res)
     _, overhead, tc, bw, h20 = rr.carried_to_h20(res, run, fits, tag)
 
     def predict(routing: str, tokens: int, version: str) -> float:
-        return rr.model.slowest_rank(h20, routing, tokens, version, rr.H20_SMS) + overhead
+        return rr.slowest_rank(h20, routing, tokens, version, rr.H20_SMS) + overhead
 
     return {"tc": tc, "bw": bw}, overhead, predict
 
@@ -103,7 +103,8 @@ def clocks_h200(run: Path = ROUND8) -> str:
 
 
 def render() -> str:
-    rr = _load(REPO / "benchmarks" / "moe_dispatch" / "report_run.py", "moe_dispatch_report_run")
+    sys.path.insert(0, str(REPO / "benchmarks" / "moe_dispatch"))
+    rr = _load(REPO / "benchmarks" / "moe_dispatch" / "model.py", "moe_dispatch_model")
     cal, overhead, predict = h20_moe(rr)
     rest_h200 = rest_per_layer_h200()
     ratio = rr.H20_OVER_H200_BW
