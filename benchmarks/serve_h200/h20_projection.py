@@ -53,17 +53,19 @@ def _load(path: Path, name: str):
     return mod
 
 
-def h20_moe(rr, run: Path = KERNEL_RUN) -> tuple[dict, float, Callable[[str, int, str], float]]:
+def h20_moe(
+    moe_model, run: Path = KERNEL_RUN
+) -> tuple[dict, float, Callable[[str, int, str], float]]:
     """The H20 model's calibrated tensor rate and bandwidth, the fused op's other kernels on H20
     (s), and a predictor (routing, tokens, version) -> seconds of the fused op's slowest rank,
-    from model.py's (`rr`) fit of the kernel-level run."""
-    tag = rr.tag_of(run)
+    from model.py's (`moe_model`) fit of the kernel-level run."""
+    tag = moe_model.tag_of(run)
     res = json.loads((run / f"kernel_{tag}.json").read_text())
-    fits, _ = rr.fit_run(res)
-    _, overhead, tc, bw, h20 = rr.carried_to_h20(res, run, fits, tag)
+    fits, _ = moe_model.fit_run(res)
+    _, overhead, tc, bw, h20 = moe_model.carried_to_h20(res, run, fits, tag)
 
     def predict(routing: str, tokens: int, version: str) -> float:
-        return rr.slowest_rank(h20, routing, tokens, version, rr.H20_SMS) + overhead
+        return moe_model.slowest_rank(h20, routing, tokens, version, moe_model.H20_SMS) + overhead
 
     return {"tc": tc, "bw": bw}, overhead, predict
 
@@ -103,11 +105,13 @@ def clocks_h200(run: Path = ROUND8) -> str:
 
 
 def render() -> str:
+    # imported, not loaded from its path: its dataclasses need their module in sys.modules
     sys.path.insert(0, str(REPO / "benchmarks" / "moe_dispatch"))
-    rr = _load(REPO / "benchmarks" / "moe_dispatch" / "model.py", "moe_dispatch_model")
-    cal, overhead, predict = h20_moe(rr)
+    import model as moe_model
+
+    cal, overhead, predict = h20_moe(moe_model)
     rest_h200 = rest_per_layer_h200()
-    ratio = rr.H20_OVER_H200_BW
+    ratio = moe_model.H20_OVER_H200_BW
     rest = {"TP8": rest_h200 / TP / ratio, "TP1": rest_h200 / ratio}
     lines = [
         "# H20 projection of a V4.1-Flash decode step (on paper, not measured)",
