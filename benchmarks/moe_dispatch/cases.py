@@ -66,7 +66,8 @@ class Family:
 
 V41_EP8 = Family("v4.1-flash-ep8", experts=384, slots=400, top_k=6, ep=8, hidden=5120,
                  inter=2304, label="DeepSeek-V4.1-Flash, EP8")  # fmt: skip
-HIDDEN, INTER, TOP_K, SLOTS, EP = V41_EP8.hidden, V41_EP8.inter, V41_EP8.top_k, 400, 8
+HIDDEN, INTER, TOP_K = V41_EP8.hidden, V41_EP8.inter, V41_EP8.top_k
+SLOTS, EP = V41_EP8.slots, V41_EP8.ep
 LOCAL = V41_EP8.local  # 50
 SHAPES = V41_EP8.shapes
 GEMMS = tuple((s.name, s.n, s.k) for s in SHAPES)

@@ -141,8 +141,7 @@ def _warm_child(args) -> int:
 
     fam = cases.V41_EP8
     tagged = [(v, False, fam.name, si, num_rows, em, 0) for v, si, num_rows, em in jobs]
-    spec_json = {"families": [{**vars(fam), "local": fam.local}]}
-    single._warm_child((data, work, spec_json, builds(), tagged))
+    single._warm_child((data, work, {fam.name: fam}, builds(), tagged))
     torch.cuda.synchronize()
     return len(jobs)
 

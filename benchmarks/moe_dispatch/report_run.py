@@ -228,16 +228,24 @@ def plot(run: Run, path: Path) -> None:
     plt.close(fig)
 
 
-def render(folder: Path, title: str = "") -> str:
+def read_run(folder: Path) -> Run:
+    """The folder's run (run.py's moe_dispatch.json, or an older kernel_<dev>.json), refused in
+    one line when there is none or it measured nothing."""
     f = first(folder, "moe_dispatch.json", "moe_dispatch.json.gz", "kernel_*.json",
               "kernel_*.json.gz")  # fmt: skip
     if f is None:
         raise SystemExit(f"report_run: {folder}: no moe_dispatch.json or kernel_<dev>.json "
                          "(what run.py writes to --out)")  # fmt: skip
-    tag = f.name.split(".")[0].split("_")[-1] if f.name.startswith("kernel_") else "run"
     run = Run(read_json(f), f.name)
     if not run.rows:
         raise SystemExit(f"report_run: {f}: no measured case in it")
+    return run
+
+
+def render(folder: Path, title: str = "", run: Run | None = None) -> str:
+    run = run or read_run(folder)
+    f = folder / run.name
+    tag = f.name.split(".")[0].split("_")[-1] if f.name.startswith("kernel_") else "run"
     reruns: dict = {}
     rf = first(folder, "rerun.json", "rerun.json.gz", f"rerun_{tag}.json", f"rerun_{tag}.json.gz")
     if rf:
@@ -318,11 +326,10 @@ def main(argv=None) -> None:
     args = ap.parse_args(argv)
     if not args.folder.is_dir():
         raise SystemExit(f"report_run: {args.folder}: not a folder")
-    text = render(args.folder, args.title)
-    (args.folder / "README.md").write_text(text)
+    run = read_run(args.folder)
+    (args.folder / "README.md").write_text(render(args.folder, args.title, run))
     if not args.no_plot:
-        f = first(args.folder, "moe_dispatch.json", "moe_dispatch.json.gz", "kernel_*.json")
-        plot(Run(read_json(f), f.name), args.folder / "speedup.png")
+        plot(run, args.folder / "speedup.png")
     print(f"report_run: wrote {args.folder / 'README.md'}"
           + ("" if args.no_plot else " and speedup.png"))  # fmt: skip
 

@@ -289,15 +289,15 @@ def ab_case(gpu: Gpu, mods: dict, cols: list[Column], routing: str, tokens: int,
     """Every rank of one routing/token case in every column: check, then time in graphs."""
     torch, fam = gpu.torch, gpu.fam
     slots = cases.route(routing, tokens, family=fam)
-    avg_m = per_expert_expected_m(tokens, fam.top_k, fam.local, fam.ep)
-    m_of = {"tokens": tokens, "average": avg_m}
+    avg_m = expected_m_of("average", tokens, fam)
     cap = max(tokens * fam.top_k, 4)  # the runner's rows, as the MoE layer sizes them
     gen = torch.Generator(device="cuda").manual_seed(tokens)
     a = {s.name: torch.randn(cap, s.k, generator=gen, device="cuda").to(torch.bfloat16)
          for s in fam.shapes}  # fmt: skip
     out = {s.name: torch.empty(cap, s.n, dtype=torch.bfloat16, device="cuda") for s in fam.shapes}
+    told = {c.name: expected_m_of(c.expected_m, tokens, fam) for c in cols}
     gemms = {c.name: {s.name: mods[c.build].mod.GroupedGemm(tokens, s.n, s.k, fam.top_k,
-                                                            fam.local, m_of[c.expected_m])
+                                                            fam.local, told[c.name])
                       for s in fam.shapes} for c in cols}  # fmt: skip
     ws = torch.empty(max(1, *(g.workspace_bytes for gs in gemms.values() for g in gs.values())),
                      dtype=torch.uint8, device="cuda")  # fmt: skip
@@ -449,16 +449,23 @@ def calibrate(gpu: Gpu, mod: Module, ms: tuple[int, ...]) -> list[dict]:
 # ----------------------------------------------------------------------------- phases
 
 
+def expected_m_of(kind: str, tokens: int, fam: cases.Family) -> int:
+    """What a column's runner is told: the token count (stock's bug) or the average rows per
+    expert slot (the fix), as the C++ computes it."""
+    if kind == "tokens":
+        return tokens
+    return per_expert_expected_m(tokens, fam.top_k, fam.local, fam.ep)
+
+
 def warm_jobs(spec: specs.Spec, cols: list[Column], token_list) -> list[tuple]:
     """(build, single, family, shape index, tokens, expected_m, force) for every DeepGEMM
     kernel the run launches: the choice is made on the host from these alone (never from the
     routed rows), so a small grouped GEMM with the same arguments compiles the same kernels."""
     jobs = set()
     for fam in spec.families:
-        avg = {t: per_expert_expected_m(t, fam.top_k, fam.local, fam.ep) for t in token_list}
         for c in cols:
             for t in token_list:
-                m = t if c.expected_m == "tokens" else avg[t]
+                m = expected_m_of(c.expected_m, t, fam)
                 jobs |= {(c.build, c.single, fam.name, si, t, m, 0) for si in range(2)}
     return sorted(jobs, key=repr)
 
@@ -471,11 +478,9 @@ def calib_jobs(spec: specs.Spec, build: str, ms) -> list[tuple]:
 def _warm_child(args) -> list[tuple]:
     """Runs each job once on a small grouped GEMM (<= 4 rows per expert, contents zero) sized
     as the runner would be for its token count: DeepGEMM JIT-compiles what that selects."""
-    data, work, spec_json, builds, jobs = args
+    data, work, fams, builds, jobs = args
     import torch
 
-    fams = {f["name"]: cases.Family(**{k: v for k, v in f.items() if k != "local"})
-            for f in spec_json["families"]}  # fmt: skip
     mods: dict[str, Module] = {}
     done = []
     for build, single, fname, si, num_rows, m, force in jobs:
@@ -513,7 +518,8 @@ def compile_kernels(args, data: Path, spec: specs.Spec, builds, jobs) -> list:
         return []
     ctx = __import__("multiprocessing").get_context("spawn")
     with cf.ProcessPoolExecutor(len(chunks), mp_context=ctx) as pool:
-        parts = pool.map(_warm_child, [(str(data), str(args.work), spec.to_json(), builds, c)
+        fams = {f.name: f for f in spec.families}
+        parts = pool.map(_warm_child, [(str(data), str(args.work), fams, builds, c)
                                        for c in chunks])  # fmt: skip
         return [x for part in parts for x in part]
 

@@ -146,6 +146,17 @@ def test_the_default_family_draws_what_the_published_runs_drew():
             )
 
 
+def test_the_module_default_family_is_the_spec_s_first():
+    """cases.py's constants (read by model.py, ep.py, misses.py) are spec.yaml's V4.1 EP8."""
+    import dataclasses
+
+    assert dataclasses.replace(FAMILIES[0], label="") == dataclasses.replace(
+        cases.V41_EP8, label=""
+    )
+    assert (cases.SLOTS, cases.EP, cases.LOCAL) == (400, 8, 50)
+    assert FAMILIES[0].shapes == cases.SHAPES
+
+
 @pytest.mark.parametrize("fam", FAMILIES, ids=lambda f: f.name)
 @pytest.mark.parametrize("routing", cases.ALL_ROUTINGS)
 @pytest.mark.parametrize("tokens", [1, 128, 4096])
