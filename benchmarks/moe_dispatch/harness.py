@@ -102,11 +102,15 @@ def measure_fp8_tflops(torch) -> float | None:
 
 
 def graph_of(torch, fn):
+    """fn captured in a CUDA graph, which keeps fn (and the tensors its closure holds) alive:
+    each capture empties the allocator's cache, so a tensor an earlier graph reads that was
+    freed since is unmapped, and that graph's replay faults (illegal memory access)."""
     fn()  # JIT-compiled kernels load outside the capture
     torch.cuda.synchronize()
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
         fn()
+    g.keep_alive = fn
     return g
 
 

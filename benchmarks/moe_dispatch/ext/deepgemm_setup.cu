@@ -12,27 +12,31 @@
 #ifdef VLLM_H20_CALIB
 #include <algorithm>
 
-// force_branch: 0 = the dispatch's own choice; with single_launch, one launch for every expert
-// with 1 = the regular kernel, -1 = swap-A/B (the forced-rows calibration).
-int vllm_h20_force_branch = 0;
-static bool vllm_h20_single = false;
-
-bool vllm_h20_single_launch() { return vllm_h20_single || vllm_h20_force_branch != 0; }
-
 namespace {
 int env_int(char const* name) {
   char const* v = std::getenv(name);
   return v && std::atoi(v) > 0 ? std::atoi(v) : -1;
 }
+bool vllm_h20_single = false;
 }  // namespace
+
+// What calib.patch declares inside fp8_blockscale_gemm_kernel.cuh, so in its namespace.
+namespace tensorrt_llm::kernels::fp8_blockscale_gemm {
+// force_branch: 0 = the dispatch's own choice; with single_launch, one launch for every expert
+// with 1 = the regular kernel, -1 = swap-A/B (the forced-rows calibration).
+int vllm_h20_force_branch = 0;
+
+bool vllm_h20_single_launch() { return vllm_h20_single || vllm_h20_force_branch != 0; }
 
 // The SM count the dispatch plans for (tile choice, swap threshold, ridge; also the grid unless
 // VLLM_H20_GRID_SMS says otherwise): VLLM_H20_NUM_SMS=78 makes an H200 dispatch like an H20.
 // -1 = the device's.
 int vllm_h20_num_sms_override() { return env_int("VLLM_H20_NUM_SMS"); }
+}  // namespace tensorrt_llm::kernels::fp8_blockscale_gemm
 
-// The CTAs a persistent launch gets: VLLM_H20_GRID_SMS=40 runs every kernel on 40 of the H200's
-// SMs, whose FP8 tensor rate (40/132 of ~990 TFLOP/s) is an H20's (296); else the planned count.
+// Global (calib.patch declares it in fp8_gemm.cuh before its namespace): the CTAs a persistent
+// launch gets. VLLM_H20_GRID_SMS=40 runs every kernel on 40 of the H200's SMs, whose FP8
+// tensor rate (40/132 of ~990 TFLOP/s) is an H20's (296); else the planned count.
 int vllm_h20_grid(int planned) {
   int const grid = env_int("VLLM_H20_GRID_SMS");
   return grid > 0 ? std::min(grid, planned) : planned;
@@ -46,7 +50,7 @@ void vllm_h20_set_include_dirs(std::vector<std::string> const& dirs) {
 
 bool vllm_h20_switch(int force, bool single) {
 #ifdef VLLM_H20_CALIB
-  vllm_h20_force_branch = force;
+  tensorrt_llm::kernels::fp8_blockscale_gemm::vllm_h20_force_branch = force;
   vllm_h20_single = single;
   return true;
 #else
