@@ -257,6 +257,19 @@ def test_the_calibration_build_compiles(tmp_path):
         cmd = [nvcc, "-c", str(src), "-o", str(tmp_path / f"{src.stem}.o"), *flags]
         r = subprocess.run(cmd, capture_output=True, text=True, timeout=1200)
         assert r.returncode == 0, src.name + ": " + r.stderr[-3000:]
+    # And they link: every switch calib.patch's lines use is defined, in the namespace they are
+    # declared in, by deepgemm_setup.cu (a first H100 run failed to load the module on one).
+    need = {s for s in _symbols(tmp_path / f"{Path(run.GEMM_CU).stem}.o", "--undefined-only")
+            if "vllm_h20" in s}  # fmt: skip
+    have = _symbols(tmp_path / "deepgemm_setup.o", "--defined-only")
+    assert len(need) >= 3, need  # the SM override, the single launch, the forced branch
+    assert need <= have, f"undefined: {sorted(need - have)}"
+
+
+def _symbols(obj: Path, which: str) -> set[str]:
+    """An object file's (mangled) symbol names, undefined or defined ones (nm)."""
+    r = subprocess.run(["nm", which, str(obj)], capture_output=True, text=True, check=True)
+    return {line.split()[-1] for line in r.stdout.splitlines() if line.strip()}
 
 
 def test_a_changed_patch_gets_its_own_builds_and_kernel_cache(tmp_path):
