@@ -180,12 +180,19 @@ def tiny_spec(tmp_path) -> Path:
 
 
 def cli(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "vllm_h20.cli", *args],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
+    """`vllm-h20 *args`; past `timeout` the test fails with what the command printed so far
+    (a bare TimeoutExpired hid why CI's sweep of stop 54 ran 120 s)."""
+    try:
+        return subprocess.run(
+            [sys.executable, "-m", "vllm_h20.cli", *args],
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
+    except subprocess.TimeoutExpired as e:
+        err = e.stderr.decode(errors="replace") if isinstance(e.stderr, bytes) else e.stderr
+        pytest.fail(f"vllm-h20 {' '.join(args[:2])} ran past {timeout:.0f} s; its stderr:\n"
+                    f"{(err or '')[-4000:]}")  # fmt: skip
 
 
 RATES = {"a": 500.0, "b": 800.0}  # generation tok/s the two expositions report
