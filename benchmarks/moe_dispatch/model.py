@@ -218,9 +218,12 @@ IN_BRANCH = "swap_ab_branch"
 # Each second launch's kernel, whose rates it keeps.
 BASE_OF = {SECOND: "regular", SWAP_SECOND: "swap_ab", IN_ONE_LAUNCH: "swap_ab",
            IN_BRANCH: "swap_ab"}  # fmt: skip
-# The hot-first plan's single launches (its kOneLaunchRows, kNarrowRegularRows).
+# The hot-first plan's single launches (its kOneLaunchRows, kNarrowRegularRows; patch 0003's
+# kWideRegularRows and kSwapTileStep: one regular launch where the cold tile is that wide).
 ONE_LAUNCH_ROWS = 32
 NARROW_REGULAR_ROWS = 64
+WIDE_REGULAR_ROWS = 128
+SWAP_TILE_STEP = 8
 
 
 SPLIT = "split"  # launch_kind: a regular launch for the hot class, a swap-A/B one for the cold
@@ -240,6 +243,8 @@ def launch_kind(tokens: int, shape, sms: int, groups: int = cases.LOCAL,
     if hot_first and tokens <= ONE_LAUNCH_ROWS:
         return "swap_ab", tokens, boundary
     if hot_first and tokens <= NARROW_REGULAR_ROWS <= ridge_rows(sms):
+        return "regular", tokens, boundary
+    if hot_first and tile + SWAP_TILE_STEP >= WIDE_REGULAR_ROWS:
         return "regular", tokens, boundary
     return SPLIT, cold_m, boundary
 

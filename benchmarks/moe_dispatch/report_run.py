@@ -20,6 +20,8 @@ import math
 import sys
 from pathlib import Path
 
+import numpy as np
+
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
@@ -27,6 +29,7 @@ import cases  # noqa: E402
 
 BAR, NEAR = 0.98, 0.97
 TOKEN_BANDS = ((1, 127), (128, 2048), (2049, 1 << 30))
+RESAMPLES = 2000
 
 
 def read_json(path: Path) -> dict:
@@ -108,6 +111,56 @@ def bar_table(run: Run, reruns: dict) -> list[str]:
                    f"{worst['speedups'][lead]:.3f}x ({worst['routing']} {worst['tokens']}) | "
                    + (f"{min(uni):.2f}-{max(uni):.2f}x" if uni else "-")
                    + f" | {ok}/{len(rows)}{'' if ok == len(rows) else ' FAILED'} |")  # fmt: skip
+    return out
+
+
+def paired_ci(rows: list[dict], lead: str, also: str, seed: int = 0) -> tuple[float, ...]:
+    """Geometric mean over `rows` of also's median time / lead's (> 1: lead faster), with a
+    95 % two-level bootstrap CI: each case's samples of both versions, then the cases."""
+    rng = np.random.default_rng(seed)
+    point, boot = [], np.empty((len(rows), RESAMPLES))
+    for i, r in enumerate(rows):
+        a, b = (np.asarray(r[f"{v}_samples_slowest_s"]) for v in (also, lead))
+        point.append(math.log(np.median(a) / np.median(b)))
+        boot[i] = np.log(np.median(rng.choice(a, (RESAMPLES, len(a))), axis=1)
+                         / np.median(rng.choice(b, (RESAMPLES, len(b))), axis=1))  # fmt: skip
+    cs = rng.integers(0, len(rows), (RESAMPLES, len(rows)))
+    stats = boot[cs, np.arange(RESAMPLES)[:, None]].mean(axis=1)
+    lo, hi = np.exp(np.percentile(stats, [2.5, 97.5]))
+    return math.exp(np.mean(point)), float(lo), float(hi)
+
+
+def paired_table(run: Run) -> list[str]:
+    """The lead against also_beat where both were timed in this run, per family and routing
+    class: a difference whose CI holds 1 is not resolved."""
+    lead, also = run.lead, run.also
+    if not run.rows or f"{also}_samples_slowest_s" not in run.rows[0]:
+        return []
+    out = ["", f"## `{lead}` against `{also}`, same run", "",
+           f"Geometric mean over the cases of `{also}`'s median time / `{lead}`'s (> 1: `{lead}`"
+           f" faster), 95 % CI from a two-level bootstrap ({RESAMPLES} resamples of each case's "
+           "samples, then of the cases).", "",
+           f"| family | routing | cases | {also} / {lead} | 95 % CI | |",
+           "|---|---|---|---|---|---|"]  # fmt: skip
+    for model in run.families:
+        for cls, members in (("balanced", cases.BALANCED), ("concentrated", cases.CONCENTRATED),
+                             ("every case", cases.ALL_ROUTINGS)):  # fmt: skip
+            sel = [r for r in run.of(model) if r["routing"] in members]
+            if sel:
+                g, lo, hi = paired_ci(sel, lead, also)
+                verdict = "not resolved" if lo <= 1 <= hi else ("faster" if g > 1 else "slower")
+                out.append(f"| {model} | {cls} | {len(sel)} | {g:.4f} | {lo:.4f}-{hi:.4f} | "
+                           f"{verdict} |")  # fmt: skip
+    under = [r for r in run.rows if min(r["speedups"][lead], r["speedups"][also]) < BAR]
+    if under:
+        out += ["", f"Cases where either is under {BAR}x of `{run.versions[0]}` (CI from the "
+                "case's samples):", "", f"| case | {lead} | {also} | {also} / {lead} | 95 % CI |",
+                "|---|---|---|---|---|"]  # fmt: skip
+        for r in under:
+            g, lo, hi = paired_ci([r], lead, also)
+            sp = r["speedups"]
+            out.append(f"| {r['model']} {r['routing']} {r['tokens']} | {sp[lead]:.3f}x | "
+                       f"{sp[also]:.3f}x | {g:.4f} | {lo:.4f}-{hi:.4f} |")  # fmt: skip
     return out
 
 
@@ -274,7 +327,7 @@ def render(folder: Path, title: str = "", run: Run | None = None) -> str:
             f"{run.doc['copy_bandwidth_Bps'] / 1e12:.2f} TB/s (read + write)"
         )
     lines += ["", "## The bar, per family", "", *bar_table(run, reruns), "",
-              "Cases under the bar:", "", *misses(run, reruns)]  # fmt: skip
+              "Cases under the bar:", "", *misses(run, reruns), *paired_table(run)]  # fmt: skip
     for model in run.families:
         if not run.of(model):
             continue

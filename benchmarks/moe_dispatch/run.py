@@ -10,7 +10,7 @@ One command on the GPU machine does everything and prints a short table last:
 1. builds one torch extension per distinct set of patch files in the spec from FlashInfer's
    fp8_blockscale_gemm.cu (vllm_h20's applier, FlashInfer's JIT flags); a version with
    `calib: true` also gets calib.patch, the switches the H20 emulations and the forced-kernel
-   sweep need; each build keeps its own DeepGEMM kernel cache;
+   sweep need; the builds share one DeepGEMM kernel cache and include list (see Module);
 2. compiles the DeepGEMM kernels every case needs in parallel processes (their run-time nvcc
    builds stay out of the timings);
 3. checks every rank of every case: each version's output against an fp32 reference and the
@@ -197,8 +197,11 @@ def build_module(data: Path, work: Path, b: Build):
 
 
 class Module:
-    """A built module, its DeepGEMM include dir and its own kernel cache: DeepGEMM reads
-    TRTLLM_DG_CACHE_DIR once per module, at its first call, so it is set before each call."""
+    """A built module. DeepGEMM's cache dir and JIT include list are statics of inline functions,
+    which GCC makes process-wide (STB_GNU_UNIQUE): the modules of one process share them, the
+    include list last set winning. So main() sets TRTLLM_DG_CACHE_DIR once, before any module
+    loads, and sets the patched headers last (`shared_headers`): every build's kernels compile
+    from them, those without a row class exactly as from FlashInfer's own."""
 
     def __init__(self, data: Path, work: Path, b: Build):
         import importlib.util
@@ -210,14 +213,37 @@ class Module:
         loader = importlib.util.spec_from_file_location(name, so)
         self.mod = importlib.util.module_from_spec(loader)
         loader.loader.exec_module(self.mod)
-        self.build, self.cache = b, str(work / "deepgemm" / b.name)
-        self.enter()
+        self.build = b
         self.mod.set_include_dirs([deepgemm_dir(data, work, b)])
 
     def enter(self, force: int = 0, single: bool = False) -> None:
-        os.environ["TRTLLM_DG_CACHE_DIR"] = self.cache
         if self.build.calib:
             self.mod.set_switches(force, single)
+
+
+def shared_headers(data: Path, work: Path, builds: dict[str, Build]) -> str:
+    """The build whose DeepGEMM headers every build's kernels compile from (Module): one that
+    changes them, if any does; refused when two builds change them differently, as one process
+    cannot compile each one's kernels from its own."""
+
+    def digest(b: Build) -> str:
+        d = Path(deepgemm_dir(data, work, b)) / "deep_gemm"
+        return hashlib.sha256(b"".join(f.read_bytes() for f in sorted(d.glob("*")))).hexdigest()
+
+    own = digest(Build("stock", ()))
+    changed = {name: h for name, b in builds.items() if (h := digest(b)) != own}
+    if len(set(changed.values())) > 1:
+        raise SystemExit(f"run.py: builds {', '.join(changed)} patch DeepGEMM's headers "
+                         "differently; one run can time only one set of them (they share its "
+                         "JIT include list and cache): time them in separate runs")  # fmt: skip
+    return next(iter(changed), next(iter(builds)))
+
+
+def load_modules(data: Path, work: Path, builds: dict[str, Build]) -> dict[str, Module]:
+    """Every build's module, the one whose headers all compile from (shared_headers) last."""
+    shared = shared_headers(data, work, builds)
+    mods = {name: Module(data, work, b) for name, b in builds.items() if name != shared}
+    return mods | {shared: Module(data, work, builds[shared])}
 
 
 def _build_in_child(args) -> tuple[str, float]:
@@ -481,11 +507,9 @@ def _warm_child(args) -> list[tuple]:
     data, work, fams, builds, jobs = args
     import torch
 
-    mods: dict[str, Module] = {}
+    mods = load_modules(Path(data), Path(work), builds)
     done = []
     for build, single, fname, si, num_rows, m, force in jobs:
-        if build not in mods:
-            mods[build] = Module(Path(data), Path(work), builds[build])
         fam, mod = fams[fname], mods[build]
         s = fam.shapes[si]
         rows = min(4 * fam.local, num_rows * (fam.top_k if force == 0 else 1))
@@ -609,6 +633,7 @@ def main(argv=None) -> None:
     per_version = builds_of(spec)
     builds = {b.name: b for b in per_version.values()}
     args.work = work_for(args.work, per_version, args.flashinfer.name)
+    os.environ["TRTLLM_DG_CACHE_DIR"] = str(args.work / "deepgemm")  # before any module loads
     os.environ.setdefault("TRTLLM_DG_NVCC_COMPILER", shutil.which("nvcc") or "nvcc")
     data = unpack_flashinfer(args.flashinfer, args.work)
     args.out.mkdir(parents=True, exist_ok=True)
@@ -645,7 +670,7 @@ def main(argv=None) -> None:
     result["phases"]["deepgemm_jit_s"] = time.time() - t1
     log(f"{len(jobs)} kernel choices compiled or cached in {time.time() - t1:.0f} s")
 
-    mods = {name: Module(data, args.work, b) for name, b in builds.items()}
+    mods = load_modules(data, args.work, builds)
     bw = measure_copy_bandwidth(torch)
     result["copy_bandwidth_Bps"] = bw
     result["fp8_tflops_measured"] = measure_fp8_tflops(torch)
@@ -661,10 +686,8 @@ def main(argv=None) -> None:
         torch.cuda.empty_cache()
         if any("cuda_error" in r for r in result["ab"]):
             break
-    # Each build's own kernel cache (Module.enter): one cache holding every build's kernels
-    # would mean the modules shared DeepGEMM's static cache path, and timed each other's.
-    result["kernels"] = {b: sorted(p.name for p in (Path(m.cache) / "cache").glob("*"))
-                         for b, m in mods.items()}  # fmt: skip
+    result["kernels"] = sorted(p.name for p in (args.work / "deepgemm" / "cache").glob("*"))
+    result["kernel_headers"] = shared_headers(data, args.work, builds)
     result["phases"]["total_s"] = time.time() - t0
     write_json(out_json, result)
     sys.exit(0 if report(result) else 1)

@@ -289,6 +289,30 @@ def test_a_changed_patch_gets_its_own_builds_and_kernel_cache(tmp_path):
     assert run.work_for(work, changed, fi) != shipped
 
 
+def test_every_kernel_compiles_from_one_patched_header_set(tmp_path):
+    """The modules of one process share DeepGEMM's include list (a process-wide static): the
+    build that patches DeepGEMM's headers is the one set last (FlashInfer's own headers, which
+    the stock and average-only builds keep, compile the same kernels without a row class), and
+    two builds that patch them differently cannot be timed in one run."""
+    run = _run_py()
+    builds = {b.name: b for b in run.builds_of(specs.load()).values()}
+    data, work = tmp_path / "fi", tmp_path / "work"
+
+    def headers(b, text: str) -> Path:
+        d = Path(run.deepgemm_dir(data, work, b)) / "deep_gemm"
+        d.mkdir(parents=True, exist_ok=True)
+        (d / "scheduler.cuh").write_text(text)
+        return d
+
+    headers(run.Build("stock", ()), "// FlashInfer's\n")
+    headers(builds["avg"], "// FlashInfer's\n")  # 0001 leaves deep_gemm/ alone
+    headers(builds["fix"], "// row classes\n")
+    assert run.shared_headers(data, work, builds) == "fix"
+    headers(builds["avg"], "// other row classes\n")
+    with pytest.raises(SystemExit, match="patch DeepGEMM's headers differently"):
+        run.shared_headers(data, work, builds)
+
+
 @pytest.mark.parametrize(
     "args, msg",
     [(["--routings", "uniform,zipff"], "run.py: --routings: zipff not in"),
@@ -454,12 +478,29 @@ def _new_run(tmp_path: Path) -> Path:
 def test_a_run_is_rendered_with_its_own_labels_and_families(tmp_path):
     report = _report()
     text = report.render(_new_run(tmp_path))
-    assert "`fix` = per-expert dispatch (0001 + 0002, shipped)" in text
+    assert "`fix` = per-expert dispatch (0001-0003, shipped)" in text
     assert "| v4.1-flash-ep8 | 4 | 4 | 4 | 1.100x (uniform 128) | 1.10-1.10x | 4/4 |" in text
     assert "| dsv3-ep8 | 4 | 3 | 3 | 0.950x (uniform 3072) | 1.10-1.10x | 4/4 |" in text
     assert ("- dsv3-ep8 uniform 3072 tokens (96.0 rows per expert): 0.9500x (first run 0.940x)"
             in text)  # fmt: skip
     assert "## DeepSeek-V3/R1, EP8 (256 experts, top-8)" in text and "32 per rank" in text
+
+
+def test_the_lead_against_also_beat_is_a_ci_not_a_point():
+    """Paired within the run: a lead 5 % faster in every case resolves as faster; one whose
+    samples overlap the other's within their spread is not resolved."""
+    report = _report()
+    rng = np.random.default_rng(1)
+
+    def row(ratio: float) -> dict:
+        base = 1e-3 * (1 + 0.01 * rng.standard_normal(24))
+        return {"fix_samples_slowest_s": list(base),
+                "cand_samples_slowest_s": list(base[rng.permutation(24)] / ratio)}  # fmt: skip
+
+    g, lo, hi = report.paired_ci([row(1.05) for _ in range(6)], "cand", "fix")
+    assert 1.0 < lo < g < hi and g == pytest.approx(1.05, rel=0.01)
+    g, lo, hi = report.paired_ci([row(1.0) for _ in range(6)], "cand", "fix")
+    assert lo < 1.0 < hi
 
 
 def test_a_folder_without_a_run_is_refused_in_one_line(tmp_path):

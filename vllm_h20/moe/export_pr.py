@@ -17,17 +17,22 @@ from .overlay import patches_dir
 from .patchfile import Patch
 
 # The shipped series' evidence: its run folders under the results folder, newest first (the
-# H100 run of the series as it is; the H200 run of its dispatch before the row-class kernels
-# stopped at the launch's last tile), and the files in them (kernel-level A/B, emulations, fused
-# op; tables, JSON, plot, the repeated runs). (moe_dispatch/whole-expert-tiles-v2-h200/ and
-# estimated-row-classes-h200/ hold the previous series' evidence.)
+# H100 run of 0003 on three shape families against 0001 + 0002; the H100 run of 0001 + 0002 on
+# five families; the H100 run of 0001 + 0002 on V4.1-Flash with its emulations; the H200 run of
+# its dispatch before the row-class kernels stopped at the launch's last tile), and the files
+# in them (kernel-level A/B, emulations, fused op; tables, JSON, plot, the repeated runs).
+# (moe_dispatch/whole-expert-tiles-v2-h200/ and estimated-row-classes-h200/ hold the previous
+# series' evidence.)
 EVIDENCE_ROOT = "moe_dispatch"
-EVIDENCE_DIRS = ("last-tile-h100", "hot-first-h200")
-EVIDENCE = ("README.md", "repeats/README.md", "*_h200.json", "*_h100.json", "*.png")
+EVIDENCE_DIRS = ("wide-cold-tile-h100", "families-h100", "last-tile-h100", "hot-first-h200")
+EVIDENCE = ("README.md", "repeats/README.md", "*_h200.json", "*_h100.json",
+            "moe_dispatch.json.gz", "*.png")  # fmt: skip
 REPRODUCER = "reproduce_expected_m.py"  # beside the series in patches/flashinfer/
 # What each evidence run measured, where it is not the series as shipped.
-RUN_NOTES = {"hot-first-h200": "the same dispatch before its row-class kernels stopped at the "
-             "launch's last tile"}  # fmt: skip
+RUN_NOTES = {"hot-first-h200": "0001 + 0002 before its row-class kernels stopped at the "
+             "launch's last tile", "families-h100": "0001 + 0002, before 0003",
+             "last-tile-h100": "0001 + 0002, before 0003 (which changes no case of it: every "
+             "swap-A/B tile there is under 120 rows)"}  # fmt: skip
 # Where the bug is (FlashInfer 0.6.14 to 0.7.4, read in each release's sources).
 BUG_FILE = (
     "csrc/nv_internal/tensorrt_llm/kernels/cutlass_kernels/fp8_blockscale_gemm/"

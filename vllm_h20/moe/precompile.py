@@ -56,7 +56,7 @@ SHIPPED_PLAN = re.compile(
     r"plan_row_classes\(uint32_t busiest,\s*uint32_t swap_tile,\s*"
     r"uint32_t max_m,\s*uint32_t ridge\)"
 )
-SHIPPED_BOUNDS = ("kOneLaunchRows", "kNarrowRegularRows")
+SHIPPED_BOUNDS = ("kOneLaunchRows", "kNarrowRegularRows", "kWideRegularRows", "kSwapTileStep")
 CUBIN = "nvcc_kernel.cubin"  # kKernelName in runtime.cuh (nvcc mode, the only one it uses)
 # Beside a cubin this wrote: the fingerprint of what it was compiled from. DeepGEMM names a
 # kernel by its template arguments only, so a cubin built from other headers (another patch
@@ -141,6 +141,8 @@ int main(int argc, char** argv) {
     } else if (rows <= kOneLaunchRows) {
       emit(out, n, k, groups, sms, rows, true, {});
     } else if (rows <= kNarrowRegularRows && kNarrowRegularRows <= ridge) {
+      emit(out, n, k, groups, sms, rows, false, {});
+    } else if (swap_tile + kSwapTileStep >= kWideRegularRows) {
       emit(out, n, k, groups, sms, rows, false, {});
     } else {
       emit(out, n, k, groups, sms, plan.hot_m, false, {plan.boundary + 1, deep_gemm::kAnyRows});
