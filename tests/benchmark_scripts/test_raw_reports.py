@@ -65,3 +65,11 @@ def test_a_manifest_that_does_not_match_its_commit_is_refused(repo, capsys):
     m.write_text("# commit abc\nnot a line\n")
     assert rr.main(["fetch"], repo) == 1
     assert f"{rr.MANIFEST}:2: not '<sha256>  <path>'" in capsys.readouterr().err
+
+
+def test_the_published_results_hold_no_raw_report_and_stay_under_40_mb():
+    """Issue 4/4's budget for benchmarks/results/ in the tree; raw reports go through `out`."""
+    listed = _git(ROOT, "ls-files", "-z", "--", rr.RESULTS).split("\0")
+    files = [ROOT / p for p in listed if p and (ROOT / p).is_file()]
+    assert not [f for f in files if f.name.endswith(".guidellm.json.gz")]
+    assert sum(f.stat().st_size for f in files) < 40e6
