@@ -102,11 +102,18 @@ def lease_runs(lease: Path) -> tuple[list[dict], list[dict]]:
     logs = lease / "logs"
     times = stalls.compile_times(logs)
     for manifest in found:
-        spec = json.loads(manifest.read_text())["spec"]
-        workload = WORKLOADS.get(spec["name"])
+        try:
+            spec = json.loads(manifest.read_text())["spec"]
+            workload = WORKLOADS.get(spec["name"])
+        except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError) as e:
+            raise DecisionError(f"{manifest}: not a sweep manifest ({e!r})") from None
+        try:
+            records = stalls.cells(manifest.parent) if workload else []
+        except (ValueError, KeyError) as e:  # stalls names the run record
+            raise DecisionError(str(e)) from None
         if workload is None:
             continue
-        for r in stalls.cells(manifest.parent):
+        for r in records:
             arm = ARMS.get(r["target"])
             if arm is None:
                 raise DecisionError(

@@ -49,7 +49,10 @@ def cells(runs: Path) -> list[dict]:
     """Each finished cell of a sweep folder (`runs/<target>/c<N>-r<i>.json`), oldest first."""
     rows = []
     for f in sorted((runs / "runs").glob("*/c*-r*.json")):
-        r = json.loads(f.read_text())
+        try:
+            r = json.loads(f.read_text())
+        except (OSError, UnicodeDecodeError, ValueError) as e:
+            raise ValueError(f"{f}: not a run record ({e}); re-collect it or remove it") from None
         if "started" in r and "finished" in r:
             rows.append(r)
     return sorted(rows, key=lambda r: r["started"])

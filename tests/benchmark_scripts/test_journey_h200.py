@@ -333,4 +333,14 @@ def test_decision_refuses_what_it_cannot_decide_from(tmp_path, capsys):
     c = _decision_lease(tmp_path, "c", "H200", {("mystery", 64): [1, 2]})
     assert dec.main([str(c), "--out", str(tmp_path / "o")]) == 2
     assert "server 'mystery' is no arm of the decision" in capsys.readouterr().err
+    # A run record cut short (a collect that ran out of time): one line naming it, no traceback.
+    d = _decision_lease(tmp_path, "d", "H200", {("v4hum", 64): [1, 2], ("v4fix", 64): [2, 3]})
+    cut = d / "sweeps" / "decision-decode-l1" / "runs" / "v4fix" / "c64-r1.json"
+    cut.write_text(cut.read_text()[:30])
+    assert dec.main([str(d), "--out", str(tmp_path / "o")]) == 2
+    err = capsys.readouterr().err
+    assert f"{cut}: not a run record" in err and "Traceback" not in err and err.count("\n") == 1
+    (d / "sweeps" / "decision-decode-l1" / "sweep.json").write_text('{"spec": ')
+    assert dec.main([str(d), "--out", str(tmp_path / "o")]) == 2
+    assert "sweep.json: not a sweep manifest" in capsys.readouterr().err
     assert not (tmp_path / "o").exists()
