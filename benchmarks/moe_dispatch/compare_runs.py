@@ -170,7 +170,7 @@ def within_runs(runs: list[tuple[str, dict, str]], column: str, labels: list[str
     return out
 
 
-def parse(arg: str) -> tuple[str, dict, str]:
+def parse(arg: str, family: str = cases.V41_EP8.name) -> tuple[str, dict, str]:
     label, sep, file = arg.partition("=")
     if not sep or not label or not file:
         raise SystemExit(f"{arg!r}: expected LABEL=FILE (e.g. new=run1/moe_dispatch_h200.json)")
@@ -183,20 +183,27 @@ def parse(arg: str) -> tuple[str, dict, str]:
         raise SystemExit(f"{path}: not a run.py result ({e})") from None
     if not isinstance(run, dict) or not run.get("ab") or "speedups" not in run["ab"][0]:
         raise SystemExit(f"{path}: not a run.py result (no cases with speedups under 'ab')")
-    return label, run, path.name
+    # One family's cases (a run before the families has only V4.1-Flash EP8's, unlabelled).
+    rows = [r for r in run["ab"] if r.get("model", cases.V41_EP8.name) == family]
+    if not rows:
+        raise SystemExit(f"{path}: no case of family {family!r}")
+    return label, run | {"ab": rows}, path.name
 
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("runs", nargs="+", help="LABEL=FILE, in the order the runs were made")
     ap.add_argument("--column", default="fix", help="the version compared (default: fix)")
+    ap.add_argument("--family", default=cases.V41_EP8.name,
+                    help=f"the shape family compared (default: {cases.V41_EP8.name})")  # fmt: skip
     ap.add_argument("--out", type=Path, help="write the Markdown here (default: stdout)")
     args = ap.parse_args(argv)
-    runs = [parse(a) for a in args.runs]
+    runs = [parse(a, args.family) for a in args.runs]
     missing = [n for _, run, n in runs if args.column not in run["ab"][0]["speedups"]]
     if missing:
         raise SystemExit(f"{missing[0]}: has no column {args.column!r}")
     column = [] if args.column == "fix" else ["--column", args.column]
+    column += [] if args.family == cases.V41_EP8.name else ["--family", args.family]
     text = render(runs, args.column, " ".join(["compare_runs.py", *args.runs, *column]))
     if args.out:
         args.out.write_text(text)

@@ -560,6 +560,21 @@ def test_repeats_readme_is_rendered_from_the_six_runs():
     assert "| every case | 1-4096 | 110 |" in want and "not resolved |" in want
 
 
+def test_the_rebuilt_harness_is_compared_with_the_table_it_replaced():
+    """families-h100/against-last-tile.md: V4.1-Flash EP8's cases of the rebuilt harness's
+    first run against last-tile-h100's (same series, same GPU type), as its first line says;
+    --family keeps that family's rows of a run of several."""
+    folder = RESULTS / "moe_dispatch" / "families-h100"
+    want = (folder / "against-last-tile.md").read_text()
+    command = re.search(r"Written by `compare_runs.py ([^`]*)`", want).group(1).split()
+    r = _compare(command, folder)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout == want and "| every case | 1-4096 | 35 |" in want
+    r = _compare([*command, "--family", "kimi-k2-ep8"], folder)
+    assert r.returncode == 1 and "last-tile-h100" not in r.stdout
+    assert "kernel_h100.json: no case of family 'kimi-k2-ep8'" in r.stderr
+
+
 def _synthetic_run(path: Path, scale: float, wobble: float, seed: int) -> str:
     rng = np.random.default_rng(seed)
     ab = [{"routing": r, "tokens": t,
