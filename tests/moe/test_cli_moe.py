@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from vllm_h20.moe import export_pr
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -69,7 +71,9 @@ def test_patches_export_writes_patches_pr_text_and_evidence(tmp_path):
     r = cli("patches", "export", str(tmp_path / "pr0"), "--results", str(results))
     assert r.returncode == 0, r.stderr
     pr = (tmp_path / "pr0" / "PR.md").read_text()
-    assert pr.startswith("# fused_moe: ") and "Not measured yet" in pr
+    n = len(list((Path(__file__).resolve().parents[2] / "patches/flashinfer").glob("*.patch")))
+    assert pr.startswith(f"# {export_pr.PR_TITLE}\n\n{n} commits, in order:")
+    assert "Not measured yet" in pr
     issue = (tmp_path / "pr0" / "ISSUE.md").read_text()
     assert issue.startswith("# SM90 FP8 block-scale CUTLASS fused MoE chooses its DeepGEMM")
     assert "`expected_m_ = shape_m;`" in issue and "No kernel-level run was found" in issue

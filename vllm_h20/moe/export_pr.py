@@ -27,6 +27,7 @@ EVIDENCE_ROOT = "moe_dispatch"
 EVIDENCE_DIRS = ("wide-cold-tile-h100", "families-h100", "last-tile-h100", "hot-first-h200")
 EVIDENCE = ("README.md", "repeats/README.md", "*_h200.json", "*_h100.json",
             "moe_dispatch.json.gz", "*.png")  # fmt: skip
+PR_TITLE = "fused_moe: choose the SM90 FP8 block-scale GEMM kernel from the rows each expert gets"
 REPRODUCER = "reproduce_expected_m.py"  # beside the series in patches/flashinfer/
 # What each evidence run measured, where it is not the series as shipped.
 RUN_NOTES = {"hot-first-h200": "0001 + 0002 before its row-class kernels stopped at the "
@@ -95,8 +96,9 @@ def pr_text(
     names: dict[Path, str] | None = None,
 ) -> str:
     """PR.md: the series' subjects and commit messages, then the evidence tables."""
-    # The series' last commit says what the PR as a whole does; the list names every commit.
-    parts = [f"# {ps[-1].subject}", ""]
+    # The PR's title says what the series does as a whole (each commit does one part of it);
+    # the list names every commit.
+    parts = [f"# {PR_TITLE if len(ps) > 1 else ps[0].subject}", ""]
     if len(ps) > 1:
         parts += [f"{len(ps)} commits, in order:", ""]
         parts += [f"{i}. {p.subject}" for i, p in enumerate(ps, 1)] + [""]
