@@ -250,7 +250,7 @@ def rank_main(rank: int, world: int, args, port: int, results: str) -> None:
     dist.init_process_group("nccl", rank=rank, world_size=world,
                             device_id=torch.device("cuda", rank))  # fmt: skip
     data = unpack_flashinfer(args.flashinfer, args.work)
-    mods = {v: single.Module(data, args.work, b) for v, b in builds().items()}
+    mods = single.load_modules(data, args.work, builds())  # its builds are named as versions
     gpu = single.Gpu(torch, cases.V41_EP8, seed=rank)
     rows_out = []
     for routing, tokens in case_list(args.quick):
@@ -417,6 +417,7 @@ def main() -> None:
     args.work.mkdir(parents=True, exist_ok=True)
     os.environ.setdefault("TRTLLM_DG_NVCC_COMPILER", shutil.which("nvcc") or "nvcc")
     os.environ.setdefault("MAX_JOBS", str(args.jobs))
+    os.environ["TRTLLM_DG_CACHE_DIR"] = str(args.work / "deepgemm")  # before any module loads
     t_start = time.time()
     result: dict = {"command": " ".join(sys.argv), "phases": {}}
     data = unpack_flashinfer(args.flashinfer, args.work)

@@ -655,6 +655,7 @@ def main(argv=None) -> None:
                                                 for b in builds.values()]))  # fmt: skip
     result["phases"]["build_s"] = time.time() - t0
     log(f"built in {result['phases']['build_s']:.0f} s: {built}")
+    result["kernel_headers"] = shared_headers(data, args.work, builds)  # refused here, not later
 
     import torch
 
@@ -687,7 +688,6 @@ def main(argv=None) -> None:
         if any("cuda_error" in r for r in result["ab"]):
             break
     result["kernels"] = sorted(p.name for p in (args.work / "deepgemm" / "cache").glob("*"))
-    result["kernel_headers"] = shared_headers(data, args.work, builds)
     result["phases"]["total_s"] = time.time() - t0
     write_json(out_json, result)
     sys.exit(0 if report(result) else 1)
