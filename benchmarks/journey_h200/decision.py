@@ -107,12 +107,12 @@ def lease_runs(lease: Path) -> tuple[list[dict], list[dict]]:
             workload = WORKLOADS.get(spec["name"])
         except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError) as e:
             raise DecisionError(f"{manifest}: not a sweep manifest ({e!r})") from None
-        try:
-            records = stalls.cells(manifest.parent) if workload else []
-        except (ValueError, KeyError) as e:  # stalls names the run record
-            raise DecisionError(str(e)) from None
         if workload is None:
             continue
+        try:
+            records = stalls.cells(manifest.parent)
+        except ValueError as e:  # stalls names the run record
+            raise DecisionError(str(e)) from None
         for r in records:
             arm = ARMS.get(r["target"])
             if arm is None:

@@ -202,9 +202,9 @@ def main(argv: list[str] | None = None) -> None:
     missing = [n for _, run, n in runs if args.column not in run["ab"][0]["speedups"]]
     if missing:
         raise SystemExit(f"{missing[0]}: has no column {args.column!r}")
-    column = [] if args.column == "fix" else ["--column", args.column]
-    column += [] if args.family == cases.V41_EP8.name else ["--family", args.family]
-    text = render(runs, args.column, " ".join(["compare_runs.py", *args.runs, *column]))
+    extra = [] if args.column == "fix" else ["--column", args.column]
+    extra += [] if args.family == cases.V41_EP8.name else ["--family", args.family]
+    text = render(runs, args.column, " ".join(["compare_runs.py", *args.runs, *extra]))
     if args.out:
         args.out.write_text(text)
         print(f"wrote {args.out}")

@@ -239,9 +239,11 @@ def shared_headers(data: Path, work: Path, builds: dict[str, Build]) -> str:
     return next(iter(changed), next(iter(builds)))
 
 
-def load_modules(data: Path, work: Path, builds: dict[str, Build]) -> dict[str, Module]:
-    """Every build's module, the one whose headers all compile from (shared_headers) last."""
-    shared = shared_headers(data, work, builds)
+def load_modules(data: Path, work: Path, builds: dict[str, Build],
+                 shared: str | None = None) -> dict[str, Module]:  # fmt: skip
+    """Every build's module, the one whose headers all compile from (`shared`, worked out by
+    shared_headers when not given) last."""
+    shared = shared or shared_headers(data, work, builds)
     mods = {name: Module(data, work, b) for name, b in builds.items() if name != shared}
     return mods | {shared: Module(data, work, builds[shared])}
 
@@ -671,7 +673,7 @@ def main(argv=None) -> None:
     result["phases"]["deepgemm_jit_s"] = time.time() - t1
     log(f"{len(jobs)} kernel choices compiled or cached in {time.time() - t1:.0f} s")
 
-    mods = load_modules(data, args.work, builds)
+    mods = load_modules(data, args.work, builds, result["kernel_headers"])
     bw = measure_copy_bandwidth(torch)
     result["copy_bandwidth_Bps"] = bw
     result["fp8_tflops_measured"] = measure_fp8_tflops(torch)

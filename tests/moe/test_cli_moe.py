@@ -71,7 +71,7 @@ def test_patches_export_writes_patches_pr_text_and_evidence(tmp_path):
     r = cli("patches", "export", str(tmp_path / "pr0"), "--results", str(results))
     assert r.returncode == 0, r.stderr
     pr = (tmp_path / "pr0" / "PR.md").read_text()
-    n = len(list((Path(__file__).resolve().parents[2] / "patches/flashinfer").glob("*.patch")))
+    n = len(list((ROOT / "patches" / "flashinfer").glob("*.patch")))
     assert pr.startswith(f"# {export_pr.PR_TITLE}\n\n{n} commits, in order:")
     assert "Not measured yet" in pr
     issue = (tmp_path / "pr0" / "ISSUE.md").read_text()
