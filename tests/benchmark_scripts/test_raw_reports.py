@@ -73,3 +73,23 @@ def test_the_published_results_hold_no_raw_report_and_stay_under_40_mb():
     files = [ROOT / p for p in listed if p and (ROOT / p).is_file()]
     assert not [f for f in files if f.name.endswith(".guidellm.json.gz")]
     assert sum(f.stat().st_size for f in files) < 40e6
+
+
+def test_nothing_to_take_out_and_a_path_with_no_report_are_one_line_each(repo, capsys):
+    raw = next(repo.rglob("*.guidellm.json.gz"))
+    kept = raw.read_bytes()
+    raw.write_bytes(b"edited")
+    assert rr.main(["out"], repo) == 1  # a report that differs from HEAD is not listed
+    assert "some raw reports differ from HEAD: commit them first" in capsys.readouterr().err
+    assert not (repo / rr.MANIFEST).exists()
+    raw.write_bytes(kept)
+    assert rr.main(["fetch"], repo) == 1  # no manifest yet
+    assert f"{rr.MANIFEST}: missing; run `python benchmarks/raw_reports.py out` first" in (
+        capsys.readouterr().err)  # fmt: skip
+    assert rr.main(["out"], repo) == 0
+    _git(repo, "commit", "-qm", "raw reports out")
+    assert rr.main(["out"], repo) == 1
+    assert "nothing to take out" in capsys.readouterr().err
+    assert rr.main(["fetch", "benchmarks/results/journey"], repo) == 1
+    err = capsys.readouterr().err
+    assert "no listed report under benchmarks/results/journey" in err and err.count("\n") == 1
