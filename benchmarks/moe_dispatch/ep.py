@@ -7,7 +7,7 @@ experts at the same time as the others, then the combine (finalize + NCCL all-re
 With fewer than 8 GPUs the first N ranks of the EP8 layout run concurrently (the rest are
 not simulated) and the result says so; the method is the 8-GPU one.
 
-1. builds FlashInfer's fp8_blockscale_gemm.cu stock and patched (run.py's builder) and
+1. builds FlashInfer's fp8_blockscale_gemm.cu stock and patched (modules.py) and
    compiles every DeepGEMM kernel the cases launch, before any timing;
 2. per rank and case: FC1 + FC2 through CutlassFp8BlockScaleGemmRunner (the grouped GEMMs the
    fused MoE issues) checked against an fp32 reference, then the combine: the rank's FC2 rows
@@ -23,12 +23,10 @@ not simulated) and the result says so; the method is the 8-GPU one.
 from __future__ import annotations
 
 import argparse
-import concurrent.futures as cf
 import json
 import os
 import platform
 import re
-import shutil
 import socket
 import statistics
 import subprocess
@@ -42,19 +40,20 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 import cases  # noqa: E402
-import run as single  # noqa: E402
+import modules  # noqa: E402
 import spec  # noqa: E402
 from expected_m import per_expert_expected_m  # noqa: E402
 from harness import SAMPLES, WARMUPS, graph_of, log, rel, unpack_flashinfer, write_json  # noqa: E402
+from run import Gpu  # noqa: E402
 
-# The builds (run.py's builder, spec.yaml's versions): stock and the shipped series.
+# The builds (modules.py, spec.yaml's versions): stock and the shipped series.
 VARIANTS = ("stock", "fix")
 VERSIONS = VARIANTS
 
 
 def builds() -> dict:
-    """run.py's Build of each variant, from the default spec."""
-    return {k: v for k, v in single.builds_of(spec.load()).items() if k in VARIANTS}
+    """The Build of each variant, from the default spec."""
+    return {k: v for k, v in modules.builds_of(spec.load()).items() if k in VARIANTS}
 
 
 class RankCase:
@@ -124,26 +123,15 @@ def exposed(layer: list[list[float]], compute: list[list[float]]) -> float:
     )
 
 
-def warm_jobs() -> list[tuple[str, int, int, int]]:
-    """(variant, shape index, num_rows, expected_m) for every DeepGEMM kernel the cases use."""
+def warm_jobs() -> list[tuple]:
+    """modules.compile_kernels' jobs for every DeepGEMM kernel the cases use."""
     jobs = set()
     for t in cases.TOKENS:
         for si in range(len(cases.SHAPES)):
-            jobs.add(("stock", si, t, t))
-            jobs.add(("fix", si, t, per_expert_expected_m(t, cases.TOP_K, cases.LOCAL,
-                                                              cases.EP)))  # fmt: skip
+            fix_m = per_expert_expected_m(t, cases.TOP_K, cases.LOCAL, cases.EP)
+            jobs |= {(v, False, cases.V41_EP8.name, si, t, m, 0)
+                     for v, m in (("stock", t), ("fix", fix_m))}  # fmt: skip
     return sorted(jobs)
-
-
-def _warm_child(args) -> int:
-    data, work, jobs = args
-    import torch
-
-    fam = cases.V41_EP8
-    tagged = [(v, False, fam.name, si, num_rows, em, 0) for v, si, num_rows, em in jobs]
-    single._warm_child((data, work, {fam.name: fam}, builds(), tagged))
-    torch.cuda.synchronize()
-    return len(jobs)
 
 
 def time_interleaved(graphs: dict, combine: dict, finalize) -> dict:
@@ -250,8 +238,8 @@ def rank_main(rank: int, world: int, args, port: int, results: str) -> None:
     dist.init_process_group("nccl", rank=rank, world_size=world,
                             device_id=torch.device("cuda", rank))  # fmt: skip
     data = unpack_flashinfer(args.flashinfer, args.work)
-    mods = single.load_modules(data, args.work, builds())  # its builds are named as versions
-    gpu = single.Gpu(torch, cases.V41_EP8, seed=rank)
+    mods = modules.load_modules(data, args.work, builds())  # its builds are named as versions
+    gpu = Gpu(torch, cases.V41_EP8, seed=rank)
     rows_out = []
     for routing, tokens in case_list(args.quick):
         rows_out.append(run_case(gpu, mods, routing, tokens, rank))
@@ -399,7 +387,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--flashinfer", type=Path, help="FlashInfer data tarball/dir")
     ap.add_argument("--out", type=Path)
-    ap.add_argument("--work", type=Path, default=single.REPO / ".build" / "moe_dispatch")
+    ap.add_argument("--work", type=Path, default=modules.REPO / ".build" / "moe_dispatch")
     ap.add_argument("--jobs", type=int, default=os.cpu_count() or 8)
     ap.add_argument("--gpus", type=int, default=None, help="default: every visible GPU, max 8")
     ap.add_argument("--quick", action="store_true", help="3 token counts only (smoke test)")
@@ -413,18 +401,12 @@ def main() -> None:
     if not args.flashinfer or not args.out:
         ap.error("--flashinfer and --out are required")
     args.out.mkdir(parents=True, exist_ok=True)
-    args.work = single.work_for(args.work, single.builds_of(spec.load()), args.flashinfer.name)
-    args.work.mkdir(parents=True, exist_ok=True)
-    os.environ.setdefault("TRTLLM_DG_NVCC_COMPILER", shutil.which("nvcc") or "nvcc")
-    os.environ.setdefault("MAX_JOBS", str(args.jobs))
-    os.environ["TRTLLM_DG_CACHE_DIR"] = str(args.work / "deepgemm")  # before any module loads
+    args.work, data = modules.setup(args.work, modules.builds_of(spec.load()), args.flashinfer,
+                                    args.jobs)  # fmt: skip
     t_start = time.time()
     result: dict = {"command": " ".join(sys.argv), "phases": {}}
-    data = unpack_flashinfer(args.flashinfer, args.work)
     t0 = time.time()
-    with cf.ProcessPoolExecutor(len(VARIANTS)) as pool:
-        list(pool.map(single._build_in_child, [(str(data), str(args.work), b)
-                                              for b in builds().values()]))  # fmt: skip
+    modules.build_all(data, args.work, list(builds().values()))
     result["phases"]["build_s"] = time.time() - t0
     log(f"built {VARIANTS} in {result['phases']['build_s']:.0f} s")
 
@@ -433,11 +415,8 @@ def main() -> None:
 
     world = min(args.gpus or torch.cuda.device_count(), cases.EP)
     jobs = warm_jobs()
-    n = min(args.jobs, 16, len(jobs))
     t0 = time.time()
-    ctx = mp.get_context("spawn")
-    with cf.ProcessPoolExecutor(n, mp_context=ctx) as pool:
-        list(pool.map(_warm_child, [(str(data), str(args.work), jobs[i::n]) for i in range(n)]))
+    modules.compile_kernels(data, args.work, [cases.V41_EP8], builds(), jobs, args.jobs)
     result["phases"]["deepgemm_jit_s"] = time.time() - t0
     log(f"{len(jobs)} DeepGEMM kernels ready in {result['phases']['deepgemm_jit_s']:.0f} s")
 

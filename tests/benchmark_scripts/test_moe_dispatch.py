@@ -25,6 +25,7 @@ LAST_TILE = RESULTS / "moe_dispatch" / "last-tile-h100"
 sys.path.insert(0, str(HERE))
 
 import cases  # noqa: E402
+import modules  # noqa: E402
 import spec as specs  # noqa: E402
 
 from tests.benchmark_scripts import load_script  # noqa: E402
@@ -108,10 +109,10 @@ def test_a_bad_spec_is_refused_naming_its_key(edit, msg):
 def test_an_a_a_copy_runs_its_original_s_module():
     run = _run_py()
     spec = specs.load()
-    builds = run.builds_of(spec)
+    builds = modules.builds_of(spec)
     assert builds["fix_again"] is builds["fix"] and builds["stock"].patches == ()
     assert len(set(builds.values())) == 3
-    h20 = run.builds_of(specs.load(HERE / "spec-h20.yaml"))
+    h20 = modules.builds_of(specs.load(HERE / "spec-h20.yaml"))
     assert len(set(h20.values())) == 1 and next(iter(h20.values())).calib  # one calib module
     cols = {c.name: c for c in run.columns_of(specs.load(HERE / "spec-h20.yaml"))}
     assert cols["stock"].single and cols["stock"].expected_m == "tokens" and not cols["fix"].single
@@ -217,18 +218,18 @@ def test_each_build_gets_its_patches_and_calib_patch_applies_on_the_series(tmp_p
     """run.py's builds as the GPU machine prepares them, from FlashInfer's installed sources: a
     patch or calib.patch that no longer applies fails here, not after a lease's start."""
     _, data = _flashinfer_data(tmp_path)
-    run = _run_py()
-    builds = run.builds_of(specs.load())
-    texts = {v: (run.prepare_sources(data, tmp_path / "work", b) / run.KERNEL_CUH).read_text()
+    builds = modules.builds_of(specs.load())
+    prepare = modules.prepare_sources
+    texts = {v: (prepare(data, tmp_path / "work", b) / modules.KERNEL_CUH).read_text()
              for v, b in builds.items()}  # fmt: skip
     assert "plan_row_classes(" not in texts["stock"] and "plan_row_classes(" not in texts["avg"]
     assert "ridge_rows(" in texts["fix"] and "vllm_h20_single_launch()" not in texts["fix"]
-    calib = run.builds_of(specs.load(HERE / "spec-h20.yaml"))["fix"]
-    text = (run.prepare_sources(data, tmp_path / "work", calib) / run.KERNEL_CUH).read_text()
+    calib = modules.builds_of(specs.load(HERE / "spec-h20.yaml"))["fix"]
+    text = (prepare(data, tmp_path / "work", calib) / modules.KERNEL_CUH).read_text()
     assert "ridge_rows(" in text and calib.name == "stock-calib"
     assert "if (max_m_per_problem == 0 || vllm_h20_single_launch()) {" in text
     assert "static int kNumDeviceSMs = vllm_h20_num_sms_override();" in text
-    assert run.deepgemm_dir(data, tmp_path / "work", builds["stock"]).startswith(str(data))
+    assert modules.deepgemm_dir(data, tmp_path / "work", builds["stock"]).startswith(str(data))
 
 
 def test_the_calibration_build_compiles(tmp_path):
@@ -242,24 +243,23 @@ def test_the_calibration_build_compiles(tmp_path):
     _, data = _flashinfer_data(tmp_path, "include", "cutlass/include",
                                "cutlass/tools/util/include", "spdlog/include")  # fmt: skip
     nvcc = dk.nvcc()
-    run = _run_py()
-    calib = next(b for b in run.builds_of(specs.load(HERE / "spec-h20.yaml")).values())
-    nv = run.prepare_sources(data, tmp_path / "work", calib)
+    calib = next(b for b in modules.builds_of(specs.load(HERE / "spec-h20.yaml")).values())
+    nv = modules.prepare_sources(data, tmp_path / "work", calib)
     includes = [nv, nv / "include", nv / "tensorrt_llm/cutlass_extensions/include",
                 nv / "tensorrt_llm/kernels/cutlass_kernels/include",
                 nv / "tensorrt_llm/kernels/cutlass_kernels", data / "include", data / "csrc",
                 data / "cutlass/include", data / "cutlass/tools/util/include",
                 data / "spdlog/include"]  # fmt: skip
     cublas = build.find_cublas_include(build.find_cuda_home())  # None: the toolkit has it
-    flags = [*run.NVCC_FLAGS, "-DVLLM_H20_PATCHED", "-DVLLM_H20_CALIB",
+    flags = [*modules.NVCC_FLAGS, "-DVLLM_H20_PATCHED", "-DVLLM_H20_CALIB",
              *(f"-I{i}" for i in includes), *(["-isystem", cublas] if cublas else [])]  # fmt: skip
-    for src in (nv / run.GEMM_CU, HERE / "ext" / "deepgemm_setup.cu"):
+    for src in (nv / modules.GEMM_CU, HERE / "ext" / "deepgemm_setup.cu"):
         cmd = [nvcc, "-c", str(src), "-o", str(tmp_path / f"{src.stem}.o"), *flags]
         r = subprocess.run(cmd, capture_output=True, text=True, timeout=1200)
         assert r.returncode == 0, src.name + ": " + r.stderr[-3000:]
     # And they link: every switch calib.patch's lines use is defined, in the namespace they are
     # declared in, by deepgemm_setup.cu (a first H100 run failed to load the module on one).
-    need = {s for s in _symbols(tmp_path / f"{Path(run.GEMM_CU).stem}.o", "--undefined-only")
+    need = {s for s in _symbols(tmp_path / f"{Path(modules.GEMM_CU).stem}.o", "--undefined-only")
             if "vllm_h20" in s}  # fmt: skip
     have = _symbols(tmp_path / "deepgemm_setup.o", "--defined-only")
     assert len(need) >= 3, need  # the SM override, the single launch, the forced branch
@@ -276,17 +276,17 @@ def test_a_changed_patch_gets_its_own_builds_and_kernel_cache(tmp_path):
     """run.py keys its work dir (sources copied once, DeepGEMM's cache by template arguments)
     by what the builds are made from: the same inputs find the same dir, a one-byte change to
     a patch, another spec's builds or another FlashInfer tarball a new one."""
-    run = _run_py()
     work, fi = tmp_path / "work", "flashinfer-0.7.2.post1-src.tar.xz"
-    builds = run.builds_of(specs.load())
-    shipped = run.work_for(work, builds, fi)
-    assert shipped == run.work_for(work, run.builds_of(specs.load()), fi) and shipped.parent == work
-    assert run.work_for(work, builds, "flashinfer-0.7.4-src.tar.xz") != shipped
-    assert run.work_for(work, run.builds_of(specs.load(HERE / "spec-h20.yaml")), fi) != shipped
+    builds = modules.builds_of(specs.load())
+    shipped = modules.work_for(work, builds, fi)
+    work_for, builds_of = modules.work_for, modules.builds_of
+    assert shipped == work_for(work, builds_of(specs.load()), fi) and shipped.parent == work
+    assert work_for(work, builds, "flashinfer-0.7.4-src.tar.xz") != shipped
+    assert work_for(work, builds_of(specs.load(HERE / "spec-h20.yaml")), fi) != shipped
     copy = tmp_path / "0002.patch"
     copy.write_bytes((ROOT / builds["fix"].patches[1]).read_bytes() + b"\n")
-    changed = dict(builds, fix=run.Build("fix", (builds["fix"].patches[0], str(copy))))
-    assert run.work_for(work, changed, fi) != shipped
+    changed = dict(builds, fix=modules.Build("fix", (builds["fix"].patches[0], str(copy))))
+    assert modules.work_for(work, changed, fi) != shipped
 
 
 def test_every_kernel_compiles_from_one_patched_header_set(tmp_path):
@@ -294,23 +294,22 @@ def test_every_kernel_compiles_from_one_patched_header_set(tmp_path):
     build that patches DeepGEMM's headers is the one set last (FlashInfer's own headers, which
     the stock and average-only builds keep, compile the same kernels without a row class), and
     two builds that patch them differently cannot be timed in one run."""
-    run = _run_py()
-    builds = {b.name: b for b in run.builds_of(specs.load()).values()}
+    builds = {b.name: b for b in modules.builds_of(specs.load()).values()}
     data, work = tmp_path / "fi", tmp_path / "work"
 
     def headers(b, text: str) -> Path:
-        d = Path(run.deepgemm_dir(data, work, b)) / "deep_gemm"
+        d = Path(modules.deepgemm_dir(data, work, b)) / "deep_gemm"
         d.mkdir(parents=True, exist_ok=True)
         (d / "scheduler.cuh").write_text(text)
         return d
 
-    headers(run.Build("stock", ()), "// FlashInfer's\n")
+    headers(modules.Build("stock", ()), "// FlashInfer's\n")
     headers(builds["avg"], "// FlashInfer's\n")  # 0001 leaves deep_gemm/ alone
     headers(builds["fix"], "// row classes\n")
-    assert run.shared_headers(data, work, builds) == "fix"
+    assert modules.shared_headers(data, work, builds) == "fix"
     headers(builds["avg"], "// other row classes\n")
     with pytest.raises(SystemExit, match="patch DeepGEMM's headers differently"):
-        run.shared_headers(data, work, builds)
+        modules.shared_headers(data, work, builds)
 
 
 @pytest.mark.parametrize(
