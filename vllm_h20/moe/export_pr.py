@@ -5,6 +5,7 @@ maintainer reads first: symptom, the line, a reproducer, the numbers), the repro
 
 from __future__ import annotations
 
+import gzip
 import importlib.util
 import json
 import os
@@ -17,6 +18,7 @@ from .overlay import patches_dir
 from .patchfile import Patch
 
 # The shipped series' evidence: its run folders under the results folder, newest first (the
+# H100 run of the shipped series on five shape families (the bar, fused op, emulations); the
 # H100 run of 0003 on three shape families against 0001 + 0002; the H100 run of 0001 + 0002 on
 # five families; the H100 run of 0001 + 0002 on V4.1-Flash with its emulations; the H200 run of
 # its dispatch before the row-class kernels stopped at the launch's last tile), and the files
@@ -24,9 +26,10 @@ from .patchfile import Patch
 # (moe_dispatch/whole-expert-tiles-v2-h200/ and estimated-row-classes-h200/ hold the previous
 # series' evidence.)
 EVIDENCE_ROOT = "moe_dispatch"
-EVIDENCE_DIRS = ("wide-cold-tile-h100", "families-h100", "last-tile-h100", "hot-first-h200")
-EVIDENCE = ("README.md", "repeats/README.md", "*_h200.json", "*_h100.json",
-            "moe_dispatch.json.gz", "*.png")  # fmt: skip
+EVIDENCE_DIRS = ("bar-five-families-h100", "wide-cold-tile-h100", "families-h100", "last-tile-h100",
+                 "hot-first-h200")  # fmt: skip
+EVIDENCE = ("README.md", "NOTES.md", "repeats/README.md", "*_h200.json", "*_h100.json",
+            "moe_dispatch.json.gz", "emulated_*.json.gz", "fused.json.gz", "*.png")  # fmt: skip
 PR_TITLE = "fused_moe: choose the SM90 FP8 block-scale GEMM kernel from the rows each expert gets"
 REPRODUCER = "reproduce_expected_m.py"  # beside the series in patches/flashinfer/
 # What each evidence run measured, where it is not the series as shipped.
@@ -138,13 +141,17 @@ def _measured(evidence: list[Path]) -> list[str]:
     the shipped fix against stock), or a line saying none was found."""
     out = []
     for f in evidence:
-        if not f.name.startswith("kernel_") or f.suffix != ".json":
+        if not (f.name == "moe_dispatch.json.gz" or f.name.startswith("kernel_")
+                and f.suffix == ".json"):  # fmt: skip
             continue
         try:
-            doc = json.loads(f.read_text())
-            rows = [r for r in doc["ab"] if "speedup" in r]
+            doc = json.loads(gzip.decompress(f.read_bytes()) if f.suffix == ".gz" else
+                             f.read_text())  # fmt: skip
+            lead = doc.get("spec", {}).get("lead")  # run.py's JSON: speedups per version
+            rows = [r | {"speedup": r["speedups"][lead]} if lead else r for r in doc["ab"]
+                    if "speedup" in r or lead in r.get("speedups", {})]  # fmt: skip
             device = doc["device"]["name"]
-        except (OSError, ValueError, KeyError, TypeError):
+        except (OSError, ValueError, KeyError, TypeError, EOFError, gzip.BadGzipFile):
             continue
         if not rows:
             continue
