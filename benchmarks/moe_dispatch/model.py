@@ -218,7 +218,7 @@ IN_BRANCH = "swap_ab_branch"
 # Each second launch's kernel, whose rates it keeps.
 BASE_OF = {SECOND: "regular", SWAP_SECOND: "swap_ab", IN_ONE_LAUNCH: "swap_ab",
            IN_BRANCH: "swap_ab"}  # fmt: skip
-# The hot-first plan's single launches (its kOneLaunchRows, kNarrowRegularRows; patch 0003's
+# The hot-first plan's single launches (its kOneLaunchRows, kNarrowRegularRows; patch 0006's
 # kWideRegularRows and kSwapTileStep: one regular launch where the cold tile is that wide).
 ONE_LAUNCH_ROWS = 32
 NARROW_REGULAR_ROWS = 64

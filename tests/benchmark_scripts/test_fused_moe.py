@@ -69,7 +69,7 @@ def test_stage_exports_flashinfers_tests_and_the_patch_test(tmp_path):
     added = stage.export_tests(repo, "v0.6.14", out, "0.6.14")
     assert added == ["tests/moe/test_fp8_blockscale_moe_expected_m.py"]
     text = (out / added[0]).read_text()
-    # Added by 0001, changed by 0002: the export applies the series in order.
+    # Added by 0001, changed by 0004 and 0006: the export applies the series in order.
     assert "def test_kernel_follows_rows_per_expert" in text
     assert "def test_skewed_routing_runs_both_classes_in_one_call" in text
     assert (out / "tests/moe/test_trtllm_cutlass_fused_moe.py").is_file()

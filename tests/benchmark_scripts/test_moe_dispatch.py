@@ -477,7 +477,7 @@ def _new_run(tmp_path: Path) -> Path:
 def test_a_run_is_rendered_with_its_own_labels_and_families(tmp_path):
     report = _report()
     text = report.render(_new_run(tmp_path))
-    assert "`fix` = per-expert dispatch (0001-0003, shipped)" in text
+    assert "`fix` = per-expert dispatch (0001-0006, shipped)" in text
     assert "| v4.1-flash-ep8 | 4 | 4 | 4 | 1.100x (uniform 128) | 1.10-1.10x | 4/4 |" in text
     assert "| dsv3-ep8 | 4 | 3 | 3 | 0.950x (uniform 3072) | 1.10-1.10x | 4/4 |" in text
     assert ("- dsv3-ep8 uniform 3072 tokens (96.0 rows per expert): 0.9500x (first run 0.940x)"

@@ -1,4 +1,4 @@
-"""The per-expert dispatch of the shipped series (patch 0002: no expert split into swap-A/B
+"""The per-expert dispatch of the shipped series (patches 0002-0005: no expert split into swap-A/B
 tiles past what pays on the GPU), compiled here with nvcc for sm_90a (no GPU needed).
 
 Its row-class kernels find each CTA's first tile with one warp-wide search. Where the
@@ -24,6 +24,7 @@ from hypothesis import strategies as st
 from tests.moe import deepgemm_kernels as dk
 from tests.moe.deepgemm_kernels import GEN, KERNEL_CUH
 from vllm_h20.moe import overlay, precompile
+from vllm_h20.moe.patchfile import read_patch
 
 SHIPPED = overlay.patches_dir() / "flashinfer"
 # name: generator arguments (swap|regular, min rows, max rows): the launches of a two-class step.
@@ -75,10 +76,13 @@ int main(int argc, char** argv) {
 
 
 def _plan_text(series: Path = SHIPPED) -> str:
-    """A series' dispatch code as its 0002 patch adds it (the hunks' new side holds the plan
-    functions whole)."""
-    (p2,) = sorted(series.glob("0002-*.patch"))
-    return dk.added_text(p2, KERNEL_CUH.split("/")[-1])
+    """A series' dispatch code as the patch that adds the plan adds it (the hunks' new side holds
+    the plan functions whole)."""
+    name = KERNEL_CUH.split("/")[-1]
+    texts = [dk.added_text(p, name) for p in sorted(series.glob("0*.patch"))
+             if any(d.path.endswith("/" + name) for d in read_patch(p).files)]  # fmt: skip
+    (text,) = [t for t in texts if "struct RowClassPlan {" in t]
+    return text
 
 
 def test_kernels_precompile_refuses_other_headers_in_one_line(tmp_path):

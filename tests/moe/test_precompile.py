@@ -90,7 +90,7 @@ def test_the_plan_holds_every_kernel_the_gpu_runs_launched(planner, tmp_path, gp
             elif t <= model.ONE_LAUNCH_ROWS:
                 want = [(model.tile_rows("swap_ab", t, n, 132, 50), None)]
             elif t <= model.NARROW_REGULAR_ROWS or (  # 64 rows: under the H200's ridge
-                tile + model.SWAP_TILE_STEP >= model.WIDE_REGULAR_ROWS  # patch 0003
+                tile + model.SWAP_TILE_STEP >= model.WIDE_REGULAR_ROWS  # patch 0006
             ):
                 want = []
             else:
@@ -127,7 +127,7 @@ def test_the_plan_follows_the_dispatch(planner, tmp_path):
         cold = [n for n in names if n.startswith("gemm_swapAB_") and _tag(n)]
         hot = [n for n in names if not n.startswith("gemm_swapAB_") and _tag(n)]
         # The regular kernel without a class: the 64-row single launch, on 132 SMs only, and
-        # the 128-row one where the cold class's swap-A/B tile would be as wide (patch 0003).
+        # the 128-row one where the cold class's swap-A/B tile would be as wide (patch 0006).
         whole = [n for n in names if not n.startswith("gemm_swapAB_") and not _tag(n)]
         assert {_row_tile(n) for n in whole} == ({64, 128} if sms == 132 else {128}), whole
         bounds = {_tag(n)[1] for n in cold}

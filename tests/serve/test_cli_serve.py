@@ -82,8 +82,8 @@ def test_serve_precompiles_the_fixs_kernels_first(tmp_path, monkeypatch):
     r = cli(*args)
     assert r.returncode == 0, r.stderr
     # 62 for this shape on 132 SMs: the single launches up to 32/64 rows, the two classes, and
-    # (patch 0003) one regular launch where the cold class's tile would be 120-128 rows (68
-    # before 0003: those steps had two classes)
+    # (patch 0006) one regular launch where the cold class's tile would be 120-128 rows (68
+    # before it: those steps had two classes)
     assert "62 DeepGEMM kernels for the fix (0 already in" in r.stderr
     monkeypatch.setenv("VLLM_H20_MOE_DISPATCH", "stock")
     r = cli(*args)

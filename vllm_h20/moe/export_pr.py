@@ -19,8 +19,8 @@ from .patchfile import Patch
 
 # The shipped series' evidence: its run folders under the results folder, newest first (the
 # H100 run of the shipped series on five shape families (the bar, fused op, emulations); the
-# H100 run of 0003 on three shape families against 0001 + 0002; the H100 run of 0001 + 0002 on
-# five families; the H100 run of 0001 + 0002 on V4.1-Flash with its emulations; the H200 run of
+# H100 run of 0006 on three shape families against 0001-0005; the H100 run of 0001-0005 on
+# five families; the H100 run of 0001-0005 on V4.1-Flash with its emulations; the H200 run of
 # its dispatch before the row-class kernels stopped at the launch's last tile), and the files
 # in them (kernel-level A/B, emulations, fused op; tables, JSON, plot, the repeated runs).
 # (moe_dispatch/whole-expert-tiles-v2-h200/ and estimated-row-classes-h200/ hold the previous
@@ -33,9 +33,9 @@ EVIDENCE = ("README.md", "NOTES.md", "repeats/README.md", "*_h200.json", "*_h100
 PR_TITLE = "fused_moe: choose the SM90 FP8 block-scale GEMM kernel from the rows each expert gets"
 REPRODUCER = "reproduce_expected_m.py"  # beside the series in patches/flashinfer/
 # What each evidence run measured, where it is not the series as shipped.
-RUN_NOTES = {"hot-first-h200": "0001 + 0002 before its row-class kernels stopped at the "
-             "launch's last tile", "families-h100": "0001 + 0002, before 0003",
-             "last-tile-h100": "0001 + 0002, before 0003 (which changes no case of it: every "
+RUN_NOTES = {"hot-first-h200": "0001-0004, before 0005 (the row-class kernels' stop at the "
+             "launch's last tile) and 0006", "families-h100": "0001-0005, before 0006",
+             "last-tile-h100": "0001-0005, before 0006 (which changes no case of it: every "
              "swap-A/B tile there is under 120 rows)"}  # fmt: skip
 # Where the bug is (FlashInfer 0.6.14 to 0.7.4, read in each release's sources).
 BUG_FILE = (

@@ -1,6 +1,6 @@
 """Compile the fix's DeepGEMM kernels before serving, so that no request waits for one.
 
-The per-expert dispatch (patch 0002) picks its DeepGEMM kernels from the step's token count and
+The per-expert dispatch (patch 0004) picks its DeepGEMM kernels from the step's token count and
 the GPU: the swap-A/B tile and the row-class boundary are template arguments. DeepGEMM compiles
 each new kernel with nvcc when it is first launched (~2.3 s each on the H200 machine, the engine
 waiting): a fix server compiled 32 of them in its first 4 minutes of serving
@@ -51,7 +51,7 @@ NVCC_FLAGS = (
     "--expt-extended-lambda",
     "--compiler-options=-fPIC,-O3,-Wno-deprecated-declarations,-Wno-abi",
 )
-# The shipped plan's entry point (patch 0002), which the planner's main() calls.
+# The shipped plan's entry point (patch 0004), which the planner's main() calls.
 SHIPPED_PLAN = re.compile(
     r"plan_row_classes\(uint32_t busiest,\s*uint32_t swap_tile,\s*"
     r"uint32_t max_m,\s*uint32_t ridge\)"
