@@ -112,7 +112,7 @@ def cmd_build(args) -> int:
             classes = {"swap": ["swap", "1", "24"], "regular": ["regular", "25", "any"]}
             src = dk.generate(dk.GEN, classes, csrc, fi, w)
             for name in ("swap", "regular"):
-                c = dk.compile_kernel(src[name], nv, w, name)
+                c = dk.compile_kernel(src[name], nv / "tensorrt_llm", w, name)
                 ok = ok and c.returncode == 0
                 notes.append(
                     f"{name} kernel{src[name + '_tag']} "
