@@ -9,6 +9,7 @@ what this renders from benchmarks/results/.
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 import sys
 from collections.abc import Callable
@@ -34,7 +35,7 @@ class Row:
 
 
 def _json(p: Path):
-    return json.loads(p.read_text())
+    return json.loads(gzip.decompress(p.read_bytes()) if p.suffix == ".gz" else p.read_text())
 
 
 def convert_speed(p: Path) -> str:
@@ -59,7 +60,9 @@ def convert_exact(p: Path) -> str:
 
 
 def kernel_bar(p: Path) -> str:
-    rows = _json(p)["ab"]
+    doc = _json(p)
+    lead = doc.get("spec", {}).get("lead")  # run.py's JSON: a speedup per version
+    rows = [r | {"speedup": r["speedups"][lead]} if lead else r for r in doc["ab"]]
     worst = min(rows, key=lambda r: r["speedup"])
     ok = sum(r["speedup"] >= 0.98 for r in rows)
     return (
@@ -122,15 +125,16 @@ ROWS = (
     Row("`convert`, synthetic DeepSeek-V4 release (22 GB)",
         "journey_h200/v4-lease4-decode-clean/logs/conversion_report.json", convert_exact,
         "benchmarks/results/journey_h200/v4-lease4-decode-clean/README.md"),
-    Row("Fix vs stock, grouped GEMMs, 110 routings x sizes, every EP8 rank, one H100",
-        "moe_dispatch/last-tile-h100/kernel_h100.json", kernel_bar,
-        "benchmarks/results/moe_dispatch/last-tile-h100/README.md"),
+    Row("Fix vs stock, grouped GEMMs, every EP rank, five shape families (V4.1-Flash and "
+        "DeepSeek-V3 on EP8 and EP16, Kimi-K2-like EP8) x 5 routings x 12 sizes, one H100",
+        "moe_dispatch/bar-five-families-h100/moe_dispatch.json.gz", kernel_bar,
+        "benchmarks/results/moe_dispatch/bar-five-families-h100/README.md"),
     Row("Fix vs stock, uniform routing 128-2,048 tokens, one H200 (series before the last-tile "
         "stop)", "moe_dispatch/hot-first-h200/kernel_h200.json", uniform_gain,
         "benchmarks/results/moe_dispatch/hot-first-h200/README.md"),
     Row("Fix vs stock through FlashInfer's `cutlass_fused_moe`, one H100",
-        "moe_dispatch/last-tile-h100/fused_h100.json", fused_identical,
-        "benchmarks/results/moe_dispatch/last-tile-h100/README.md"),
+        "moe_dispatch/bar-five-families-h100/fused.json.gz", fused_identical,
+        "benchmarks/results/moe_dispatch/bar-five-families-h100/NOTES.md"),
     Row("Serving, fix vs stock, vLLM 0.26 on one H200 (4 MoE layers, 60 s windows)",
         "serve_h200/round8-h200-l5-sweep/sweeps/decode-resolve", serving_fix,
         "benchmarks/results/serve_h200/round8-h200-l5-sweep/README.md"),

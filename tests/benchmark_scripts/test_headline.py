@@ -24,18 +24,19 @@ def test_readme_table_is_rendered_from_the_results_files():
 
 def test_every_number_in_the_table_moves_with_its_file(tmp_path):
     """A changed result changes the table: each row's number is recomputed, not stored."""
+    import gzip
     import json
     import shutil
 
-    src = headline.RESULTS / "moe_dispatch" / "last-tile-h100" / "kernel_h100.json"
-    dst = tmp_path / "moe_dispatch" / "last-tile-h100"
-    dst.mkdir(parents=True)
-    doc = json.loads(src.read_text())
-    doc["ab"][0]["speedup"] = 0.5
-    (dst / "kernel_h100.json").write_text(json.dumps(doc))
-    row = next(r for r in headline.ROWS if r.source.endswith("kernel_h100.json"))
+    run = Path("moe_dispatch") / "bar-five-families-h100"
+    src = headline.RESULTS / run / "moe_dispatch.json.gz"
+    (tmp_path / run).mkdir(parents=True)
+    doc = json.loads(gzip.decompress(src.read_bytes()))
+    doc["ab"][0]["speedups"]["fix"] = 0.5
+    (tmp_path / run / src.name).write_bytes(gzip.compress(json.dumps(doc).encode()))
+    row = next(r for r in headline.ROWS if r.source == str(run / src.name))
     assert "worst 0.500x (uniform, 1 tokens)" in row.cell(tmp_path / row.source)
-    assert "109 of 110 cases >= 0.98x" in row.cell(tmp_path / row.source)
+    assert "299 of 300 cases >= 0.98x" in row.cell(tmp_path / row.source)
     shutil.rmtree(tmp_path / "moe_dispatch")
 
 
