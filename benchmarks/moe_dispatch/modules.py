@@ -117,6 +117,18 @@ def module_name(b: Build) -> str:
     return "vllm_h20_grouped_gemm_" + "".join(c if c.isalnum() else "_" for c in b.name)
 
 
+def include_dirs(nv: Path, data: Path) -> list[Path]:
+    """What fp8_blockscale_gemm.cu compiles against: a (patched) csrc/nv_internal copy `nv` and
+    FlashInfer's data directory for the rest (CUTLASS, spdlog, its own headers)."""
+    return [
+        nv, nv / "include", nv / "tensorrt_llm/cutlass_extensions/include",
+        nv / "tensorrt_llm/kernels/cutlass_kernels/include",
+        nv / "tensorrt_llm/kernels/cutlass_kernels",
+        data / "include", data / "csrc", data / "cutlass/include",
+        data / "cutlass/tools/util/include", data / "spdlog/include",
+    ]  # fmt: skip
+
+
 def build_module(data: Path, work: Path, b: Build):
     import torch.utils.cpp_extension as ext
 
@@ -126,13 +138,7 @@ def build_module(data: Path, work: Path, b: Build):
     # Any series starts with 0001, which adds expected_m to getWorkspaceSize.
     defines = (["-DVLLM_H20_PATCHED"] if b.patches else []) + (["-DVLLM_H20_CALIB"] if b.calib
                                                                else [])  # fmt: skip
-    includes = [
-        nv, nv / "include", nv / "tensorrt_llm/cutlass_extensions/include",
-        nv / "tensorrt_llm/kernels/cutlass_kernels/include",
-        nv / "tensorrt_llm/kernels/cutlass_kernels",
-        data / "include", data / "csrc", data / "cutlass/include",
-        data / "cutlass/tools/util/include", data / "spdlog/include",
-    ]  # fmt: skip
+    includes = include_dirs(nv, data)
     # -isystem, after nvcc's own headers: a pip CUDA include dir may carry other crt/ headers
     cublas = find_cublas_include(ext.CUDA_HOME)  # None when the toolkit has cuBLAS
     system = ["-isystem", cublas] if cublas else []

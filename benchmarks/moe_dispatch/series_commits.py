@@ -95,12 +95,8 @@ def cmd_build(args) -> int:
         t0, w = time.time(), args.work / f"prefix-{k}"
         w.mkdir(parents=True, exist_ok=True)
         csrc = dk.overlay_csrc(fi, patches[:k], w)
-        nv, data = csrc / "nv_internal", fi.root
-        includes = [nv, nv / "include", nv / "tensorrt_llm/cutlass_extensions/include",
-                    nv / "tensorrt_llm/kernels/cutlass_kernels/include",
-                    nv / "tensorrt_llm/kernels/cutlass_kernels", data / "include",
-                    data / "csrc", data / "cutlass/include", data / "cutlass/tools/util/include",
-                    data / "spdlog/include"]  # fmt: skip
+        nv = csrc / "nv_internal"
+        includes = modules.include_dirs(nv, fi.root)
         cublas = build.find_cublas_include(build.find_cuda_home())
         flags = [*modules.NVCC_FLAGS, "-DVLLM_H20_PATCHED", *(f"-I{i}" for i in includes),
                  *(["-isystem", cublas] if cublas else [])]  # fmt: skip

@@ -245,11 +245,7 @@ def test_the_calibration_build_compiles(tmp_path):
     nvcc = dk.nvcc()
     calib = next(b for b in modules.builds_of(specs.load(HERE / "spec-h20.yaml")).values())
     nv = modules.prepare_sources(data, tmp_path / "work", calib)
-    includes = [nv, nv / "include", nv / "tensorrt_llm/cutlass_extensions/include",
-                nv / "tensorrt_llm/kernels/cutlass_kernels/include",
-                nv / "tensorrt_llm/kernels/cutlass_kernels", data / "include", data / "csrc",
-                data / "cutlass/include", data / "cutlass/tools/util/include",
-                data / "spdlog/include"]  # fmt: skip
+    includes = modules.include_dirs(nv, data)
     cublas = build.find_cublas_include(build.find_cuda_home())  # None: the toolkit has it
     flags = [*modules.NVCC_FLAGS, "-DVLLM_H20_PATCHED", "-DVLLM_H20_CALIB",
              *(f"-I{i}" for i in includes), *(["-isystem", cublas] if cublas else [])]  # fmt: skip
