@@ -50,9 +50,18 @@ def am(root: Path, version: str, base: str) -> str:
 
 
 def from_wheel(wheel: Path, work: Path) -> tuple[str, Path]:
-    version = wheel.name.split("-")[1]
+    parts = wheel.name.split("-")
+    if not wheel.is_file() or parts[0] != "flashinfer_python" or len(parts) < 3:
+        raise SystemExit(f"series_commits: {wheel}: not a flashinfer_python-<version>-*.whl file "
+                         "(pip download --no-deps flashinfer-python==<version>)")  # fmt: skip
+    version = parts[1]
     root = work / f"wheel-{version}"
-    with zipfile.ZipFile(wheel) as z:
+    try:
+        z = zipfile.ZipFile(wheel)
+    except zipfile.BadZipFile:
+        why = "not a zip archive (a truncated download?)"
+        raise SystemExit(f"series_commits: {wheel}: {why}") from None
+    with z:
         for name in z.namelist():
             if name.startswith("flashinfer/data/") and not name.endswith("/"):
                 dest = root / name[len("flashinfer/data/") :]
@@ -65,8 +74,14 @@ def from_wheel(wheel: Path, work: Path) -> tuple[str, Path]:
 
 def from_tag(repo: Path, version: str, work: Path) -> Path:
     root = work / f"tag-{version}"
-    subprocess.run(["git", "clone", "-q", "--no-checkout", str(repo), str(root)], check=True)
-    git(root, "checkout", "-q", f"v{version}").check_returncode()
+    r = subprocess.run(["git", "clone", "-q", "--no-checkout", str(repo), str(root)],
+                       capture_output=True, text=True)  # fmt: skip
+    if r.returncode == 0:
+        r = git(root, "checkout", "-q", f"v{version}")
+    if r.returncode:
+        why = r.stderr.strip().splitlines()[-1:] or ["?"]
+        raise SystemExit(f"series_commits: {repo}: no tag v{version} to check out ({why[0]}); "
+                         "pass a FlashInfer clone with its tags (git fetch --tags)")  # fmt: skip
     return root
 
 

@@ -62,3 +62,21 @@ def test_every_commit_applies_with_git_am_and_a_stale_source_is_one_line(tmp_pat
 def test_a_tag_needs_the_clone_it_is_in():
     r = _am("--tag", "0.6.14")
     assert r.returncode == 2 and "--tag needs --tag-repo" in r.stderr
+
+
+def test_a_bad_wheel_or_a_missing_tag_is_one_line(tmp_path):
+    """A path that is not a FlashInfer wheel, a truncated one, and a clone without the tag: one
+    line naming the file or clone and what to do, no traceback."""
+    truncated = tmp_path / "flashinfer_python-0.7.4-py3-none-any.whl"
+    truncated.write_bytes(b"PK\x03\x04 cut short")
+    empty = tmp_path / "clone"
+    subprocess.run(["git", "init", "-q", str(empty)], check=True)
+    for args, want in (
+        (["--wheel", str(tmp_path / "nothing.whl")], "not a flashinfer_python-<version>-*.whl"),
+        (["--wheel", str(truncated)], "not a zip archive (a truncated download?)"),
+        (["--tag", "0.6.14", "--tag-repo", str(empty)], "no tag v0.6.14 to check out"),
+    ):
+        r = _am(*args)
+        assert r.returncode == 1, r.stderr
+        (line,) = r.stderr.strip().splitlines()
+        assert line.startswith("series_commits: ") and want in line
