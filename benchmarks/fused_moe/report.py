@@ -68,7 +68,7 @@ def table(res: dict, gemm_only: dict) -> list[str]:
             f"{r['speedup']:.2f}x | {r['aa_ratio']:.3f} | "
             f"{f'{k:.2f}x' if k else 'n/a'} | {wb / 1e9:.2f} GB | "
             f"{100 * wb / bw / r['fix_s']:.0f} | {r['max_rel_err']:.1e} | "
-            f"{r['max_fix_vs_stock']:.1e} | {'ok' if r['ok'] else 'FAIL'} |"
+            f"{r['max_fix_vs_stock']:.1e} | {r.get('check', 'ok' if r['ok'] else 'FAIL')} |"
         )
     return out
 

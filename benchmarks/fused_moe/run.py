@@ -236,15 +236,28 @@ def ab_case(ex: Experts, select: Select, routing: str, tokens: int, bw: float) -
     worst = max(range(cases.EP), key=lambda r: row["fix_rank_median_s"][r])
     row["roofline_s"] = per_rank[worst]["weight_bytes"] / bw
     row["max_rel_err"] = max(max(r["rel_err"].values()) for r in per_rank)
+    row["max_rel_err_by_version"] = {v: max(r["rel_err"][v] for r in per_rank) for v in VERSIONS}
     row["max_fix_vs_stock"] = max(r["fix_vs_stock"] for r in per_rank)
     row["bit_identical"] = all(r["bit_identical"] for r in per_rank)
-    row["ok"] = row["max_rel_err"] < TOLERANCE and row["max_fix_vs_stock"] < AGREEMENT
+    row["check"] = check(row["max_rel_err_by_version"], row["max_fix_vs_stock"])
+    row["ok"] = row["check"] != "FAIL"
     del graphs, keep
     log(f"{routing:12s} {tokens:5d} tok: stock {row['stock_s'] * 1e3:.3f} ms, fix "
         f"{row['fix_s'] * 1e3:.3f} ms, x{row['speedup']:.2f}, A/A {row['aa_ratio']:.3f}, "
         f"err {row['max_rel_err']:.1e}, fix vs stock {row['max_fix_vs_stock']:.1e} "
-        f"{'ok' if row['ok'] else 'FAIL'}")  # fmt: skip
+        f"{row['check']}")  # fmt: skip
     return row
+
+
+def check(err_by_version: dict[str, float], fix_vs_stock: float) -> str:
+    """What the case says about the fix, which only reorders the stock kernel's tiles: "FAIL"
+    when the fix's output leaves the stock module's or is further from the fp32 reference;
+    "ok (reference)" when the reference's tolerance misses both modules alike (its FP8
+    requantization, not the kernel choice: zipf2 8 in bar-five-families-h100); else "ok"."""
+    fix, stock = err_by_version["fix"], err_by_version["stock"]
+    if not fix_vs_stock < AGREEMENT or not fix <= max(stock, TOLERANCE):
+        return "FAIL"
+    return "ok" if fix < TOLERANCE else "ok (reference)"
 
 
 # ----------------------------------------------------------------------------- warm-up
@@ -368,7 +381,7 @@ def main() -> None:
               f"  {r['fix_s'] * 1e3:6.3f}  {r['speedup']:7.2f}"
               f"  {100 * r['roofline_s'] / r['fix_s']:8.0f}  {r['aa_ratio']:5.3f}"
               f"  {'yes' if r['bit_identical'] else 'no':>9s}"
-              f"  {'ok' if r['ok'] else 'FAIL'}")  # fmt: skip
+              f"  {r.get('check', 'ok' if r['ok'] else 'FAIL')}")  # fmt: skip
     ok = all(r["ok"] for r in rows)
     print(f"all checks {'passed' if ok else 'FAILED'}; total {result['phases']['total_s']:.0f} s")
     sys.exit(0 if ok else 1)
