@@ -19,12 +19,16 @@
 #                           otherwise they compile at start-up and on the request path)
 #   h200.sh v4dg            the same for vLLM's DeepGEMM kernels of V4's FP8 linears and O
 #                           projection, every token count up to 8,192
+#   h200.sh v4tune          tune vLLM's Triton FP8 MoE for the conversion's experts on this GPU
+#                           (triton_tune.py: minutes; resumes) into $SH/triton-configs, which
+#                           v4triton reads; before the servers start (they would share the GPU)
 #   h200.sh v4probe         background: vLLM 0.26 on a small DeepSeek-V4 (v4_probe.py)
 #   h200.sh serve NAME...   servers v4hum (8011: the release on Humming, W4A8), v4fix (8012: the
 #                           conversion, FlashInfer CUTLASS + fix), v4stock (8013: same, stock),
-#                           v4marlin (8014: the release on Marlin, W4A16)
+#                           v4marlin (8014: the release on Marlin, W4A16), v4triton (8015: the
+#                           conversion on vLLM's Triton FP8 MoE, v4tune's config)
 set -uo pipefail
-step=${1:?v4release|v4convert|v4prep|v4mhc|v4dg|v4probe or a serve_h200/h200.sh step}; shift
+step=${1:?v4release|v4convert|v4prep|v4mhc|v4dg|v4tune|v4probe or a serve_h200/h200.sh step}; shift
 cd "$(dirname "$0")/../.."
 source benchmarks/serve_h200/env.sh
 export SERVERS=$repo/benchmarks/journey_h200/servers.sh
@@ -91,6 +95,16 @@ v4prep)
     start_bg v4prep "$SH/logs/v4prep.log" bash -c "bash $repo/benchmarks/journey_h200/h200.sh \
         v4release && V4VERIFY=${V4VERIFY:-1} bash $repo/benchmarks/journey_h200/h200.sh v4convert"
     echo "v4prep: started (logs/v4prep.log)"
+    ;;
+v4tune)
+    await_ready v4fix 540
+    [ -f "$V4FP8/config.json" ] || { echo "v4tune: no conversion in $V4FP8 (v4convert first)"; exit 1; }
+    python3 benchmarks/journey_h200/triton_tune.py "$V4FP8" --out "$SH/triton-configs" \
+        > "$SH/logs/triton-tune.log" 2>&1
+    rc=$?
+    cp "$SH/triton-configs"/*.json "$SH/logs/" 2>/dev/null  # collect takes logs/
+    grep -v "^\s*$" "$SH/logs/triton-tune.log" | tail -n 12
+    exit $rc
     ;;
 v4probe)
     # Issue 4/4's first look, in the background while nothing is measured: does vLLM 0.26 run

@@ -1,7 +1,7 @@
 # The V4 journey's servers (sourced by journey_h200/h200.sh, and by serve_h200/h200.sh when the
 # journey's driver hands it a step: SERVERS points here): the release on Humming (v4hum, W4A8)
 # and Marlin (v4marlin, W4A16), the conversion on FlashInfer CUTLASS with the fix (v4fix) and
-# without (v4stock). `server_opts NAME` appends to the caller's `envs` and `args` arrays and
+# without (v4stock), and on vLLM's Triton FP8 MoE with a tuned config (v4triton). `server_opts NAME` appends to the caller's `envs` and `args` arrays and
 # waits for the server's checkpoint while v4prep still makes it.
 
 # The synthetic release lives in RAM when /dev/shm has room (the 64 GB disk then holds the
@@ -20,7 +20,8 @@ fi
 V4FP8=$SH/v4/converted
 
 port() { case $1 in v4hum) echo 8011 ;; v4fix) echo 8012 ;; v4stock) echo 8013 ;; v4marlin) echo 8014 ;;
-         *) echo "unknown server $1 (v4hum|v4fix|v4stock|v4marlin)" >&2; return 1 ;; esac; }
+         v4triton) echo 8015 ;;
+         *) echo "unknown server $1 (v4hum|v4fix|v4stock|v4marlin|v4triton)" >&2; return 1 ;; esac; }
 model_of() { case $1 in v4hum|v4marlin) echo "$V4REL" ;; *) echo "$V4FP8" ;; esac; }
 recipe_of() { case $1 in
     v4hum|v4marlin) echo "$repo/recipes/test-h200-dsv4-mxfp4-humming.yaml" ;;
@@ -37,6 +38,11 @@ server_opts() { local m
     case $1 in
         v4stock) envs+=(VLLM_H20_MOE_DISPATCH=stock) ;;
         v4marlin) args+=(--moe-backend marlin) ;;  # the recipe's Humming, overridden
+        # vLLM's Triton FP8 MoE on the conversion, with the config `h200.sh v4tune` wrote
+        # (vLLM ships none for these shapes; without it vLLM logs "Using default MoE config").
+        v4triton) args+=(--moe-backend triton)
+            [ -d "$SH/triton-configs" ] || { echo "v4triton: no $SH/triton-configs (h200.sh v4tune first)"; return 1; }
+            envs+=("VLLM_TUNED_CONFIG_FOLDER=$SH/triton-configs") ;;
     esac
     # W4A8, the seed's baseline: vLLM 0.26 gives Humming BF16 activations unless told
     # (V4HUM_INPUT='{}' serves W4A16); FP8 with per-token scales here (vLLM 0.33 runs

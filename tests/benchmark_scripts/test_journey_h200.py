@@ -344,3 +344,48 @@ def test_decision_refuses_what_it_cannot_decide_from(tmp_path, capsys):
     assert dec.main([str(d), "--out", str(tmp_path / "o")]) == 2
     assert "sweep.json: not a sweep manifest" in capsys.readouterr().err
     assert not (tmp_path / "o").exists()
+
+
+def test_triton_tune_space_is_launchable_and_holds_vllms_own_default():
+    """Every candidate fits the conversion's 128x128 blocks as vLLM's kernel reads them (one
+    weight scale per K step, N tiles dividing the block); vLLM's default for each batch size
+    is timed too, so the written config is never one the default was not measured against."""
+    vllm_fm = pytest.importorskip("vllm.model_executor.layers.fused_moe.fused_moe")
+    tune = _load("triton_tune")
+    cfg = json.loads((HERE / "probe_configs" / "v4-fp8.json").read_text())
+    ex = tune.experts_of(cfg)
+    assert (ex.experts, ex.top_k) == (cfg["n_routed_experts"], cfg["num_experts_per_tok"])
+    for m in tune.BATCH_SIZES:
+        space = tune.search_space(m)
+        assert len({tune.key_of(c) for c in space}) == len(space) <= 72
+        for c in space:
+            assert c["BLOCK_SIZE_K"] == 128 and 128 % c["BLOCK_SIZE_N"] == 0
+        default = vllm_fm.get_default_config(m, ex.experts, ex.inter, ex.hidden, ex.top_k,
+                                             "fp8_w8a8", [128, 128])  # fmt: skip
+        assert set(tune.KEYS) <= set(default) and default.get("SPLIT_K", 1) == 1
+    with pytest.raises(SystemExit, match="no routed-expert shape"):
+        tune.experts_of({"hidden_size": 5120})
+
+
+def test_triton_tune_writes_the_checked_winner_in_vllms_layout():
+    tune = _load("triton_tune")
+    a = dict(zip(tune.KEYS, (16, 64, 128, 1, 4, 3), strict=True))
+    b = dict(zip(tune.KEYS, (16, 128, 128, 32, 4, 3), strict=True))
+    ka, kb = tune.key_of(a), tune.key_of(b)
+    assert tune.best_of({ka: 9.0, kb: 7.5, "x": float("inf")}) == kb
+    with pytest.raises(ValueError, match="no config ran"):
+        tune.best_of({"x": float("inf")})
+
+    def rec(ci_high):
+        r = {"configs": {ka: a, kb: b}, "default": ka, "best": kb,
+             "check": {"ci_low": 0.9, "ci_high": ci_high}}  # fmt: skip
+        return {**r, "chosen": tune.chosen(r)}
+
+    # The winner stays unless the interleaved check found it slower than the default.
+    assert rec(1.05)["chosen"] == kb and rec(0.98)["chosen"] == ka
+    doc = tune.vllm_file({"sizes": {"64": rec(1.05), "8": rec(0.98), "256": {"us": {}}}})
+    assert list(doc) == ["8", "64"]  # sorted by batch size; an unfinished size is left out
+    assert doc["8"] == {**a, "SPLIT_K": 1} and doc["64"] == {**b, "SPLIT_K": 1}
+    r = subprocess.run([sys.executable, str(HERE / "triton_tune.py"), "--help"],
+                       capture_output=True, text=True)  # fmt: skip
+    assert r.returncode == 0 and "VLLM_TUNED_CONFIG_FOLDER" in r.stdout
