@@ -29,8 +29,8 @@ _NOISE = re.compile(r"POST /v1/|GET /metrics|GET /health|GET /v1/models|POST /(s
 PROFILED_STEPS = 12
 # The servers h200.sh starts, in the order the summary lists them.
 # The journey's (benchmarks/journey_h200/): the release on Humming, the conversion with and
-# without the fix.
-SERVERS = ("fix", "stock", "triton", "deepgemm", "v4hum", "v4fix", "v4stock")
+# without the fix, and on vLLM's Triton FP8 MoE.
+SERVERS = ("fix", "stock", "triton", "deepgemm", "v4hum", "v4fix", "v4stock", "v4triton")
 TITLE = "Serving on one {gpu}: stock vs per-expert (vLLM 0.26.0, FlashInfer CUTLASS MoE)"
 
 
@@ -94,6 +94,7 @@ def summary(root: Path, reports: dict[str, Path], title: str, baseline: str = "s
     logs = {n: root / "logs" / f"{n}.log" for n in SERVERS}
     lines = [f"# {title}", ""]
     lines += _loaded(logs)
+    lines += _memory(logs)
     lines += _profiles(chk, logs)
     lines += _correctness(chk)
     lines += _routing(chk)
@@ -129,10 +130,46 @@ def _loaded(logs: dict[str, Path]) -> list[str]:
     return lines
 
 
+# vLLM's start-up lines that size what a server can hold: weights, the KV cache it allocated,
+# how many full-length requests that cache holds (V4's sliding-window layers make this more
+# than tokens / length), and how long the engine took to start.
+_START_UP = {
+    "weights GiB": r"Model loading took ([\d.]+) GiB",
+    "KV cache tokens": r"GPU KV cache size: ([\d,]+) tokens",
+    "requests of max length": r"Maximum concurrency for ([\d,]+ tokens) per request: ([\d.]+x)",
+    "init engine s": r"init engine \(profile, create kv cache, warmup model\) took ([\d.]+) s",
+}
+
+
+def start_up(log: Path) -> dict[str, str]:
+    """_START_UP's values from a server log, the last start's where it started more than once."""
+    text = log.read_text(errors="replace")
+    out = {}
+    for col, pat in _START_UP.items():
+        found = re.findall(pat, text)
+        if found:
+            last = found[-1]
+            out[col] = f"{last[1]} at {last[0]}" if isinstance(last, tuple) else last
+    return out
+
+
+def _memory(logs: dict[str, Path]) -> list[str]:
+    """start_up per server as a table (issue 1/4: KV capacity from each server's log)."""
+    rows = {n: start_up(p) for n, p in logs.items() if p.exists()}
+    rows = {n: r for n, r in rows.items() if r}
+    if not rows:
+        return []
+    head = "| server | " + " | ".join(_START_UP) + " |"
+    lines = ["## Memory and start-up (each server's log)", "", head, "|---|" + "---:|" * 4]
+    for n, r in rows.items():
+        lines.append(f"| {n} | " + " | ".join(r.get(c, "n/a") for c in _START_UP) + " |")
+    return [*lines, ""]
+
+
 def _profiles(chk: Path, logs: dict[str, Path]) -> list[str]:
     """GPU time per decode step by kernel class, and the MoE GEMM kernels, per server."""
     lines: list[str] = []
-    order = ("stock", "fix", "triton", "deepgemm", "v4hum", "v4stock", "v4fix")  # baseline first
+    order = ("stock", "fix", "triton", "deepgemm", "v4hum", "v4stock", "v4fix", "v4triton")
     found = [n for n in order if (chk / f"profile_{n}.json").exists()]
     profs = {n: json.loads((chk / f"profile_{n}.json").read_text()) for n in found}
     if profs:

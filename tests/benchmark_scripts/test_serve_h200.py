@@ -124,7 +124,8 @@ def test_device_scripts_parse_and_refuse_unknown_steps_and_servers(tmp_path):
         "unknown server v4hum (fix|stock|triton|deepgemm)" in res.stderr
     )
     res = run(JOURNEY, "wait", "fix")
-    assert res.returncode == 1 and "unknown server fix (v4hum|v4fix|v4stock|v4marlin)" in res.stderr
+    servers = "v4hum|v4fix|v4stock|v4marlin|v4triton"
+    assert res.returncode == 1 and f"unknown server fix ({servers})" in res.stderr
     assert run(HERE / "h200.sh", "v4prep").returncode == 2  # the journey's step, not this one's
 
 
@@ -1052,3 +1053,27 @@ def test_boot_builds_the_reduced_modules_in_the_background(tmp_path):
         assert (sh / "logs" / "build.log").read_text().splitlines() == [
             f"building kernels build --dispatch {want} --json"
         ]
+
+
+def test_start_up_reads_the_last_start_of_a_server_log(tmp_path):
+    """The memory table (issue 1/4's KV capacity per server) takes a restarted server's last
+    start, and leaves out what its log does not say."""
+    log = tmp_path / "v4fix.log"
+    log.write_text(
+        "INFO [gpu_model_runner.py:5347] Model loading took 38.89 GiB memory and 7.4 seconds\n"
+        "INFO [kv_cache_utils.py:2177] GPU KV cache size: 117,636 tokens\n"
+        "ERROR engine died\n"
+        "INFO [gpu_model_runner.py:5347] Model loading took 47.51 GiB memory and 9.1 seconds\n"
+        "INFO [kv_cache_utils.py:2177] GPU KV cache size: 470,544 tokens\n"
+        "INFO [kv_cache_utils.py:2180] Maximum concurrency for 2,048 tokens per request: 229.76x\n"
+    )
+    assert report.start_up(log) == {
+        "weights GiB": "47.51",
+        "KV cache tokens": "470,544",
+        "requests of max length": "229.76x at 2,048 tokens",
+    }
+    (tmp_path / "quiet.log").write_text("nothing here\n")
+    assert report.start_up(tmp_path / "quiet.log") == {}
+    lines = report._memory({"v4fix": log, "quiet": tmp_path / "quiet.log", "gone": tmp_path / "x"})
+    assert lines[2].startswith("| server | weights GiB |") and lines[4].endswith("| n/a |")
+    assert len(lines) == 6  # heading, blank, head, rule, one server, blank
