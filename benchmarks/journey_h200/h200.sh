@@ -19,7 +19,7 @@
 #                           otherwise they compile at start-up and on the request path)
 #   h200.sh v4dg            the same for vLLM's DeepGEMM kernels of V4's FP8 linears and O
 #                           projection, every token count up to 8,192
-#   h200.sh v4tune          tune vLLM's Triton FP8 MoE for the conversion's experts on this GPU
+#   h200.sh v4tune [DIR]    tune vLLM's Triton FP8 MoE for the conversion's experts on this GPU
 #                           (triton_tune.py: minutes; resumes) into $SH/triton-configs, which
 #                           v4triton reads; before the servers start (they would share the GPU)
 #   h200.sh v4probe         background: vLLM 0.26 on a small DeepSeek-V4 (v4_probe.py)
@@ -97,10 +97,13 @@ v4prep)
     echo "v4prep: started (logs/v4prep.log)"
     ;;
 v4tune)
-    await_ready v4fix 540
-    [ -f "$V4FP8/config.json" ] || { echo "v4tune: no conversion in $V4FP8 (v4convert first)"; exit 1; }
-    python3 benchmarks/journey_h200/triton_tune.py "$V4FP8" --out "$SH/triton-configs" \
-        > "$SH/logs/triton-tune.log" 2>&1
+    # (a folder with the same experts' config.json instead of the conversion: `v4tune DIR`;
+    # TUNE_SIZES="64 128 256": only these batch sizes now, the rest on a later call)
+    model=${1:-$V4FP8}
+    [ "$model" = "$V4FP8" ] && await_ready v4fix 540
+    [ -f "$model/config.json" ] || { echo "v4tune: no config.json in $model (v4convert first)"; exit 1; }
+    python3 benchmarks/journey_h200/triton_tune.py "$model" --out "$SH/triton-configs" \
+        ${TUNE_SIZES:+--batch-sizes $TUNE_SIZES} >> "$SH/logs/triton-tune.log" 2>&1
     rc=$?
     cp "$SH/triton-configs"/*.json "$SH/logs/" 2>/dev/null  # collect takes logs/
     grep -v "^\s*$" "$SH/logs/triton-tune.log" | tail -n 12
