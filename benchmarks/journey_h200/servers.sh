@@ -1,8 +1,9 @@
 # The V4 journey's servers (sourced by journey_h200/h200.sh, and by serve_h200/h200.sh when the
 # journey's driver hands it a step: SERVERS points here): the release on Humming (v4hum, W4A8)
 # and Marlin (v4marlin, W4A16), the conversion on FlashInfer CUTLASS with the fix (v4fix) and
-# without (v4stock), and on vLLM's Triton FP8 MoE with a tuned config (v4triton). `server_opts NAME` appends to the caller's `envs` and `args` arrays and
-# waits for the server's checkpoint while v4prep still makes it.
+# without (v4stock), and on vLLM's Triton FP8 MoE with a tuned config (v4triton).
+# `server_opts NAME` appends to the caller's `envs` and `args` arrays and waits for the
+# server's checkpoint while v4prep still makes it.
 
 # The synthetic release lives in RAM when /dev/shm has room (the 64 GB disk then holds the
 # 41 GB conversion beside the V3 checkpoint's absence), else beside the conversion.
