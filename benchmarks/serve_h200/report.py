@@ -131,8 +131,7 @@ def _loaded(logs: dict[str, Path]) -> list[str]:
 
 
 # vLLM's start-up lines that size what a server can hold: weights, the KV cache it allocated,
-# how many full-length requests that cache holds (V4's sliding-window layers make this more
-# than tokens / length), and how long the engine took to start.
+# how many full-length requests that cache holds, and how long the engine took to start.
 _START_UP = {
     "weights GiB": r"Model loading took ([\d.]+) GiB",
     "KV cache tokens": r"GPU KV cache size: ([\d,]+) tokens",
@@ -141,9 +140,14 @@ _START_UP = {
 }
 
 
+_ENGINE_START = "Initializing a V1 LLM engine"
+
+
 def start_up(log: Path) -> dict[str, str]:
-    """_START_UP's values from a server log, the last start's where it started more than once."""
+    """_START_UP's values from a server log, the last start's where it started more than once
+    (a start that died before its KV cache line leaves that cell empty, not the earlier one's)."""
     text = log.read_text(errors="replace")
+    text = text[max(0, text.rfind(_ENGINE_START)) :]
     out = {}
     for col, pat in _START_UP.items():
         found = re.findall(pat, text)
