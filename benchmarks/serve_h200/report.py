@@ -164,7 +164,8 @@ def _memory(logs: dict[str, Path]) -> list[str]:
     if not rows:
         return []
     head = "| server | " + " | ".join(_START_UP) + " |"
-    lines = ["## Memory and start-up (each server's log)", "", head, "|---|" + "---:|" * 4]
+    rule = "|---|" + "---:|" * len(_START_UP)
+    lines = ["## Memory and start-up (each server's log)", "", head, rule]
     for n, r in rows.items():
         lines.append(f"| {n} | " + " | ".join(r.get(c, "n/a") for c in _START_UP) + " |")
     return [*lines, ""]

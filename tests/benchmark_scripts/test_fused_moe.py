@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.benchmark_scripts import load_script
+
 ROOT = Path(__file__).resolve().parents[2]
 HERE = ROOT / "benchmarks" / "fused_moe"
 RESULTS = ROOT / "benchmarks" / "results" / "moe_dispatch" / "estimated-row-classes-h200"
@@ -77,20 +79,11 @@ def test_stage_exports_flashinfers_tests_and_the_patch_test(tmp_path):
         stage.export_tests(repo, "v9.9.9", tmp_path / "other", "0.6.14")
 
 
-def _run_module():
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("fused_moe_run", HERE / "run.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
 def test_a_reference_that_misses_both_modules_alike_is_no_failure_of_the_fix():
     """zipf2 8 in bar-five-families-h100: fix and stock bit-identical, both 2.2e-2 from the fp32
     reference (tolerance 2e-2). That says nothing against the fix; a fix that leaves stock or the
     reference further than stock does still fails."""
-    check = _run_module().check
+    check = load_script(HERE / "run.py", "fused_moe_run").check
     assert check({"stock": 3e-3, "fix": 3e-3, "fix_again": 3e-3}, 0.0) == "ok"
     assert check({"stock": 2.2e-2, "fix": 2.2e-2, "fix_again": 2.2e-2}, 0.0) == "ok (reference)"
     assert check({"stock": 2.2e-2, "fix": 2.5e-2, "fix_again": 2.5e-2}, 5e-3) == "FAIL"
