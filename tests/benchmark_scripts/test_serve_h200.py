@@ -127,6 +127,14 @@ def test_device_scripts_parse_and_refuse_unknown_steps_and_servers(tmp_path):
     servers = "v4hum|v4fix|v4stock|v4marlin|v4triton"
     assert res.returncode == 1 and f"unknown server fix ({servers})" in res.stderr
     assert run(HERE / "h200.sh", "v4prep").returncode == 2  # the journey's step, not this one's
+    # The Triton tune's inputs: a folder without config.json, and v4triton before any tune.
+    res = run(JOURNEY, "v4tune", str(tmp_path / "none"))
+    assert res.returncode == 1 and f"v4tune: no config.json in {tmp_path / 'none'}" in res.stdout
+    (tmp_path / "v4" / "converted").mkdir(parents=True)
+    (tmp_path / "v4" / "converted" / "model.safetensors.index.json").write_text("{}")
+    res = run(JOURNEY, "serve", "v4triton")
+    assert res.returncode == 1 and f"v4triton: no {tmp_path}/triton-configs" in res.stdout
+    assert not (tmp_path / "logs" / "v4triton.log").exists()
 
 
 def test_sweep_bg_outlives_its_call_and_sweep_wait_returns_the_sweep_s_status(tmp_path):
